@@ -1,0 +1,190 @@
+"""Public op: validation, padding, the three pallas_calls, and the custom VJP.
+
+The forward saves only O(T) residuals besides the inputs (out and lse); the
+backward folds the lse cotangent and the z-loss into delta, so the dq and dk/dv
+kernels need no extra inputs for them:
+  d logits = p * (dp - delta),  delta = rowsum(dO * O) - dlse - w * lse.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from . import kernels
+from .contract import StaticSpec, validate
+from .kernel_config import KernelConfig
+from .tuned_configs import default_config
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _layout(spec: StaticSpec, config: KernelConfig):
+  """Padded head dim, padded length, and the blocks clipped to the length."""
+  head_dim = max(16, _next_pow2(spec.head_dim))
+  cap = max(16, _next_pow2(spec.seq_len))
+  blocks = {name: min(getattr(config, name), cap) for name in (
+      "block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
+      "block_kv_dkv")}
+  biggest = max(blocks.values())
+  seq_pad = -(-spec.seq_len // biggest) * biggest
+  return head_dim, seq_pad, blocks
+
+
+def _pad(x, axis_sizes):
+  pads = [(0, 0)] * x.ndim
+  for axis, size in axis_sizes.items():
+    pads[axis] = (0, size - x.shape[axis])
+  if all(p == (0, 0) for p in pads):
+    return x
+  return jnp.pad(x, pads)
+
+
+def _interpret(config: KernelConfig) -> bool:
+  if config.interpret is not None:
+    return config.interpret
+  return jax.default_backend() != "gpu"
+
+
+def _compiler_params(config: KernelConfig, head_dim: int):
+  warps = config.num_warps or (4 if head_dim <= 64 else 8)
+  return pltriton.CompilerParams(num_warps=warps, num_stages=config.num_stages)
+
+
+def _prepare(spec, config, q, k, v, seg, temp):
+  """Pads to the kernel layout; temperature becomes [B, Hq, T_pad]."""
+  head_dim, seq_pad, blocks = _layout(spec, config)
+  q, k, v = (_pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
+  if seg is not None:
+    seg = _pad(seg, {1: seq_pad})
+  if temp is not None:
+    temp = _pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad})
+  return q, k, v, seg, temp, head_dim, seq_pad, blocks
+
+
+def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
+  b, t, hq, d = q.shape
+  q, k, v, seg, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg, temp)
+  bq, bkv = blocks["block_q"], blocks["block_kv"]
+  group = spec.group_size
+  kernel = functools.partial(kernels.forward_kernel, spec=spec, block_q=bq,
+                             block_kv=bkv, padded=seq_pad != t)
+  tile = pl.BlockSpec((None, bq, None, head_dim), lambda i, bi, h: (bi, i, h, 0))
+  whole_kv = pl.BlockSpec((None, seq_pad, None, head_dim),
+                          lambda i, bi, h: (bi, 0, h // group, 0))
+  row = pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i))
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(seq_pad // bq, b, hq),
+      in_specs=[tile, whole_kv, whole_kv,
+                None if seg is None else pl.BlockSpec((None, seq_pad), lambda i, bi, h: (bi, 0)),
+                None if temp is None else row],
+      out_specs=[tile, row],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, hq, seq_pad), jnp.float32)],
+      compiler_params=_compiler_params(config, head_dim),
+      interpret=_interpret(config),
+      name="ua_forward",
+  )(q, k, v, seg, temp)
+  return out[:, :t, :, :d], lse[:, :, :t]
+
+
+def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, lse,
+              dout, dlse):
+  b, t, hq, d = q.shape
+  hkv, group = spec.num_kv_heads, spec.group_size
+  has_key = lse != -jnp.inf
+  delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
+                     dout.astype(jnp.float32)) - dlse - spec.z_loss_weight * lse
+  delta = jnp.where(has_key, delta, 0.0)
+  q, k, v, seg, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg, temp)
+  dout = _pad(dout, {1: seq_pad, 3: head_dim})
+  lse = _pad(lse, {2: seq_pad})
+  delta = _pad(delta, {2: seq_pad})
+  padded = seq_pad != t
+  seg_spec = lambda: None if seg is None else pl.BlockSpec((None, seq_pad), lambda i, bi, h: (bi, 0))
+  params = dict(compiler_params=_compiler_params(config, head_dim),
+                interpret=_interpret(config))
+
+  # dq: one program per (query tile, batch, query head).
+  bq, bkv = blocks["block_q_dq"], blocks["block_kv_dq"]
+  tile = pl.BlockSpec((None, bq, None, head_dim), lambda i, bi, h: (bi, i, h, 0))
+  whole_kv = pl.BlockSpec((None, seq_pad, None, head_dim),
+                          lambda i, bi, h: (bi, 0, h // group, 0))
+  row = pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i))
+  dq = pl.pallas_call(
+      functools.partial(kernels.dq_kernel, spec=spec, block_q=bq, block_kv=bkv,
+                        padded=padded),
+      grid=(seq_pad // bq, b, hq),
+      in_specs=[tile, whole_kv, whole_kv, seg_spec(),
+                None if temp is None else row, tile, row, row],
+      out_specs=tile,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      name="ua_backward_dq", **params,
+  )(q, k, v, seg, temp, dout, lse, delta)
+
+  # dk/dv: one program per (key tile, batch, kv head); loops over the group.
+  bq, bkv = blocks["block_q_dkv"], blocks["block_kv_dkv"]
+  kv_tile = pl.BlockSpec((None, bkv, None, head_dim), lambda j, bi, h: (bi, j, h, 0))
+  group_q = pl.BlockSpec((None, seq_pad, group, head_dim), lambda j, bi, h: (bi, 0, h, 0))
+  group_rows = pl.BlockSpec((None, group, seq_pad), lambda j, bi, h: (bi, h, 0))
+  dk, dv = pl.pallas_call(
+      functools.partial(kernels.dkv_kernel, spec=spec, block_q=bq, block_kv=bkv,
+                        padded=padded),
+      grid=(seq_pad // bkv, b, hkv),
+      in_specs=[group_q, kv_tile, kv_tile, seg_spec(),
+                None if temp is None else group_rows, group_q, group_rows, group_rows],
+      out_specs=[kv_tile, kv_tile],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
+      name="ua_backward_dkv", **params,
+  )(q, k, v, seg, temp, dout, lse, delta)
+  return dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :d]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(spec, config, q, k, v, seg, temp):
+  return _forward(spec, config, q, k, v, seg, temp)
+
+
+def _attention_fwd(spec, config, q, k, v, seg, temp):
+  out, lse = _forward(spec, config, q, k, v, seg, temp)
+  return (out, lse), (q, k, v, seg, temp, out, lse)
+
+
+def _attention_bwd(spec, config, residuals, cotangents):
+  q, k, v, seg, temp, out, lse = residuals
+  dout, dlse = cotangents
+  dq, dk, dv = _backward(spec, config, q, k, v, seg, temp, out, lse, dout, dlse)
+  # segment_ids and temperature receive no gradient (docs/SEMANTICS.md).
+  return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+_jitted_attention = jax.jit(_attention, static_argnums=(0, 1))
+
+
+def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
+              cap_method="none", cap_params=(), temperature=None, sm_scale=None,
+              z_loss_weight=0.0, return_lse=False, config: KernelConfig | None = None):
+  """Unified attention through the Pallas kernels; see docs/SEMANTICS.md."""
+  spec, segment_ids, temperature = validate(
+      q, k, v, segment_ids=segment_ids, causal=causal, window_len=window_len,
+      cap_method=cap_method, cap_params=cap_params, temperature=temperature,
+      sm_scale=sm_scale, z_loss_weight=z_loss_weight, return_lse=return_lse)
+  if q.dtype not in SUPPORTED_DTYPES:
+    raise TypeError(f"ua_kernels.attention supports q/k/v dtypes float32, bfloat16 "
+                    f"and float16, got {q.dtype}")
+  if config is None:
+    config = default_config(spec, q.dtype)
+  elif not isinstance(config, KernelConfig):
+    raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
+  out, lse = _jitted_attention(spec, config, q, k, v, segment_ids, temperature)
+  return (out, lse) if return_lse else out

@@ -1,0 +1,159 @@
+"""Argument validation shared by every implementation of the contract.
+
+docs/SEMANTICS.md is the contract; this module turns its "bad input raises"
+clause into code once, so the reference and the kernels reject exactly the same
+inputs with the same messages. Everything static (flags, cap method and its
+parameters, scales) is normalised into a hashable :class:`StaticSpec` that
+can key compilation caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .cap_functions import CapMethod, get_cap_method
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticSpec:
+  """The static (hashable) part of one attention call, after validation."""
+
+  batch: int
+  seq_len: int
+  num_q_heads: int
+  num_kv_heads: int
+  head_dim: int
+  causal: bool
+  window_len: int
+  cap_method: str
+  cap_params: tuple[float, ...]
+  sm_scale: float
+  z_loss_weight: float
+  has_segment_ids: bool
+  has_temperature: bool
+
+  @property
+  def group_size(self) -> int:
+    return self.num_q_heads // self.num_kv_heads
+
+  @property
+  def cap(self) -> CapMethod:
+    return get_cap_method(self.cap_method)
+
+
+def _static_float(name: str, value: Any) -> float:
+  if isinstance(value, bool):
+    raise TypeError(f"{name} must be a float, got bool")
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{name} must be a static Python float, not a traced value")
+  try:
+    out = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{name} must be a float, got {type(value).__name__}") from None
+  if not math.isfinite(out):
+    raise ValueError(f"{name} must be finite, got {out!r}")
+  return out
+
+
+def _static_bool(name: str, value: Any) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+  return bool(value)
+
+
+def _array(name: str, x: Any) -> jax.Array | np.ndarray:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  return x
+
+
+def validate(q, k, v, *, segment_ids=None, causal=False, window_len=0,
+             cap_method="none", cap_params=(), temperature=None, sm_scale=None,
+             z_loss_weight=0.0, return_lse=False):
+  """Checks one call against the contract.
+
+  Returns ``(spec, segment_ids, temperature)``: the StaticSpec, segment ids as
+  int32 [B, T] (or None), and temperature broadcast to float32 [B, T, Hq]
+  (or None).
+  """
+  q, k, v = _array("q", q), _array("k", k), _array("v", v)
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4 [B, T, H, D], got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(
+        f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape, got k {k.shape}, v {v.shape}")
+  b, t, hq, d = q.shape
+  if k.shape[0] != b or k.shape[1] != t:
+    raise ValueError(
+        f"k/v must have shape [B={b}, T={t}, Hkv, D], got {k.shape}")
+  if k.shape[3] != d:
+    raise ValueError(f"head dim mismatch: q has D={d}, k/v have D={k.shape[3]}")
+  hkv = k.shape[2]
+  if min(b, t, hq, hkv, d) < 1:
+    raise ValueError(f"q, k, v must have non-empty dimensions, got q {q.shape}, k {k.shape}")
+  if hq % hkv:
+    raise ValueError(
+        f"number of query heads ({hq}) must be divisible by kv heads ({hkv})")
+
+  causal = _static_bool("causal", causal)
+  _static_bool("return_lse", return_lse)
+  if isinstance(window_len, bool) or isinstance(window_len, jax.core.Tracer):
+    raise TypeError("window_len must be a static non-negative int")
+  try:
+    window_len = operator.index(window_len)
+  except TypeError:
+    raise TypeError(
+        f"window_len must be a non-negative int, got {type(window_len).__name__}") from None
+  if window_len < 0:
+    raise ValueError(f"window_len must be >= 0, got {window_len}")
+
+  method = get_cap_method(cap_method)
+  params = method.validate_params(cap_params)
+  sm_scale = (1.0 / math.sqrt(d)) if sm_scale is None else _static_float("sm_scale", sm_scale)
+  z_loss_weight = _static_float("z_loss_weight", z_loss_weight)
+  if z_loss_weight < 0:
+    raise ValueError(f"z_loss_weight must be >= 0, got {z_loss_weight}")
+
+  if segment_ids is not None:
+    segment_ids = _array("segment_ids", segment_ids)
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise TypeError(f"segment_ids must have an integer dtype, got {segment_ids.dtype}")
+    if tuple(segment_ids.shape) != (b, t):
+      raise ValueError(f"segment_ids must have shape [B, T] = {(b, t)}, got {segment_ids.shape}")
+    segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+
+  if temperature is not None:
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+      temperature = np.float32(temperature)
+    temperature = _array("temperature", temperature)
+    if not jnp.issubdtype(temperature.dtype, jnp.floating):
+      raise TypeError(f"temperature must have a floating dtype, got {temperature.dtype}")
+    try:
+      np.broadcast_shapes(tuple(temperature.shape), (b, t, hq))
+      if len(temperature.shape) > 3:
+        raise ValueError
+    except ValueError:
+      raise ValueError(
+          f"temperature of shape {tuple(temperature.shape)} does not broadcast to "
+          f"[B, T, Hq] = {(b, t, hq)}") from None
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b, t, hq))
+
+  spec = StaticSpec(
+      batch=b, seq_len=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+      causal=causal, window_len=window_len, cap_method=method.name,
+      cap_params=params, sm_scale=sm_scale, z_loss_weight=z_loss_weight,
+      has_segment_ids=segment_ids is not None,
+      has_temperature=temperature is not None)
+  return spec, segment_ids, temperature

@@ -1,0 +1,119 @@
+"""The three Pallas kernels: forward, dq, and dk/dv (summed over a GQA group).
+
+Refs arrive per (batch, head) through BlockSpecs: the tile a program owns is
+loaded once, the other side is streamed in a fori_loop bounded by the block
+ranges of tile_math, so causal/window-hidden tiles are never visited.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .contract import StaticSpec
+from .softmax_state import SoftmaxState
+from .tile_math import (dot, kv_block_range, logits_grad, positions,
+                        probabilities, q_block_range, tile_logits, visible_mask)
+
+
+def _segment_tile(seg_ref, start, size):
+  return None if seg_ref is None else seg_ref[pl.ds(start, size)]
+
+
+def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse_ref, *,
+                   spec: StaticSpec, block_q: int, block_kv: int, padded: bool):
+  """One query tile of one head: o = softmax(logits) @ v, lse per row."""
+  q_start = pl.program_id(0) * block_q
+  q = q_ref[...]
+  q_pos = positions(q_start, block_q)
+  q_seg = _segment_tile(seg_ref, q_start, block_q)
+  temp = None if temp_ref is None else temp_ref[...]
+
+  def body(kv_block, state):
+    k_start = kv_block * block_kv
+    k = k_ref[pl.ds(k_start, block_kv), :]
+    v = v_ref[pl.ds(k_start, block_kv), :]
+    mask = visible_mask(spec, q_pos, positions(k_start, block_kv), q_seg,
+                        _segment_tile(seg_ref, k_start, block_kv), padded=padded)
+    _, logits = tile_logits(spec, q, k, temp, mask)
+    return state.update(logits, v)
+
+  lo, hi = kv_block_range(spec, q_start, block_q, block_kv)
+  state = lax.fori_loop(lo, hi, body, SoftmaxState.init(block_q, q.shape[-1]))
+  out, lse = state.finalize()
+  o_ref[...] = out.astype(o_ref.dtype)
+  lse_ref[...] = lse
+
+
+def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse_ref, delta_ref,
+              dq_ref, *, spec: StaticSpec, block_q: int, block_kv: int, padded: bool):
+  """dq of one query tile of one head, streaming key tiles."""
+  q_start = pl.program_id(0) * block_q
+  q = q_ref[...]
+  do = do_ref[...]
+  lse = lse_ref[...]
+  delta = delta_ref[...]
+  q_pos = positions(q_start, block_q)
+  q_seg = _segment_tile(seg_ref, q_start, block_q)
+  temp = None if temp_ref is None else temp_ref[...]
+
+  def body(kv_block, dq):
+    k_start = kv_block * block_kv
+    k = k_ref[pl.ds(k_start, block_kv), :]
+    v = v_ref[pl.ds(k_start, block_kv), :]
+    mask = visible_mask(spec, q_pos, positions(k_start, block_kv), q_seg,
+                        _segment_tile(seg_ref, k_start, block_kv), padded=padded)
+    scaled, logits = tile_logits(spec, q, k, temp, mask)
+    p = probabilities(logits, lse)
+    dp = dot(do, v, trans_b=True)
+    ds = logits_grad(spec, p, dp, delta, scaled, temp)
+    return dq + dot(ds.astype(k.dtype), k)
+
+  lo, hi = kv_block_range(spec, q_start, block_q, block_kv)
+  dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse_ref, delta_ref,
+               dk_ref, dv_ref, *, spec: StaticSpec, block_q: int, block_kv: int,
+               padded: bool):
+  """dk, dv of one key tile of one kv head, summed over its query-head group.
+
+  q/do refs hold the G query heads of the group ([T, G, D]); lse/delta/temp
+  refs [G, T]. The group sum happens in registers, no repeated K/V.
+  """
+  k_start = pl.program_id(0) * block_kv
+  k = k_ref[...]
+  v = v_ref[...]
+  k_pos = positions(k_start, block_kv)
+  k_seg = _segment_tile(seg_ref, k_start, block_kv)
+  lo, hi = q_block_range(spec, k_start, block_q, block_kv)
+
+  def head(g, carry):
+    def body(q_block, carry):
+      dk, dv = carry
+      q_start = q_block * block_q
+      rows = pl.ds(q_start, block_q)
+      q = q_ref[rows, g, :]
+      do = do_ref[rows, g, :]
+      lse = lse_ref[g, rows]
+      delta = delta_ref[g, rows]
+      temp = None if temp_ref is None else temp_ref[g, rows]
+      mask = visible_mask(spec, positions(q_start, block_q), k_pos,
+                          _segment_tile(seg_ref, q_start, block_q), k_seg,
+                          padded=padded)
+      scaled, logits = tile_logits(spec, q, k, temp, mask)
+      p = probabilities(logits, lse)
+      dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
+      dp = dot(do, v, trans_b=True)
+      ds = logits_grad(spec, p, dp, delta, scaled, temp)
+      dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
+      return dk, dv
+
+    return lax.fori_loop(lo, hi, body, carry)
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, spec.group_size, head, (zeros, zeros))
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)

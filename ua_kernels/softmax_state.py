@@ -1,0 +1,46 @@
+"""Online-softmax state of one query tile (FlashAttention-2 recurrence)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .tile_math import dot
+
+
+class SoftmaxState(NamedTuple):
+  """Running row max ``m``, row sum ``l`` and unnormalised output ``acc``.
+
+  Rows that have seen no visible key keep ``m = -inf`` and ``l = 0``; the
+  updates guard those so an all-masked row never produces NaN.
+  """
+
+  m: jax.Array    # [block_q] float32
+  l: jax.Array    # [block_q] float32
+  acc: jax.Array  # [block_q, head_dim] float32
+
+  @classmethod
+  def init(cls, block_q: int, head_dim: int) -> "SoftmaxState":
+    return cls(jnp.full((block_q,), -jnp.inf, jnp.float32),
+               jnp.zeros((block_q,), jnp.float32),
+               jnp.zeros((block_q, head_dim), jnp.float32))
+
+  def update(self, logits: jax.Array, v: jax.Array) -> "SoftmaxState":
+    """Folds in one key tile: masked logits (-inf where hidden) and values."""
+    m_new = jnp.maximum(self.m, jnp.max(logits, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    correction = jnp.exp(self.m - m_safe)
+    p = jnp.exp(logits - m_safe[:, None])
+    l_new = correction * self.l + jnp.sum(p, axis=1)
+    acc = correction[:, None] * self.acc + dot(p.astype(v.dtype), v)
+    return SoftmaxState(m_new, l_new, acc)
+
+  def finalize(self) -> tuple[jax.Array, jax.Array]:
+    """Returns (out, lse); a row with no visible key gives (0, -inf)."""
+    has_key = self.l > 0
+    l_safe = jnp.where(has_key, self.l, 1.0)
+    out = self.acc / l_safe[:, None]
+    lse = jnp.where(has_key, self.m + jnp.log(l_safe), -jnp.inf)
+    return out, lse
