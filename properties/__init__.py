@@ -1,0 +1,1 @@
+"""The verification suite: strategies, tolerance model, runner and CLIs."""

@@ -1,0 +1,269 @@
+"""The properties. Each takes (impl, case) and raises PropertyFailure.
+
+``run_property`` wraps them for pytest, the CLIs and the fuzzer: it records the
+outcome for the ua-verify report, and on failure writes a case file and puts
+the one command that replays it into the error message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import hypothesis
+import numpy as np
+
+from .case import Case, save_case_file
+from .runner import baseline, evaluate, score
+from .tolerance import OutputError, compare, error_table
+
+
+class PropertyFailure(AssertionError):
+  def __init__(self, message: str, errors: list[OutputError] = ()):
+    self.errors = list(errors)
+    table = error_table(self.errors) if self.errors else ""
+    super().__init__(message + ("\n" + table if table else ""))
+
+
+def _require(errors: list[OutputError], what: str):
+  bad = [e for e in errors if not e.ok]
+  if bad:
+    raise PropertyFailure(f"{what}: {', '.join(e.name for e in bad)} out of tolerance", errors)
+  return errors
+
+
+def _replace(case: Case, **changes) -> Case:
+  return dataclasses.replace(case, **changes)
+
+
+# --------------------------------------------------------------------------- #
+# Equivalence with the float64 oracle.
+
+def matches_oracle(impl, case: Case):
+  result = evaluate(impl, case)
+  return _require(score(case, result), "implementation differs from the float64 oracle")
+
+
+# --------------------------------------------------------------------------- #
+# Metamorphic properties: need no oracle for their truth; the oracle's
+# same-precision reference only sizes the rounding allowance.
+
+def key_permutation_invariance(impl, case: Case):
+  """Permuting keys and values jointly (no causal, no window) changes nothing."""
+  from .inputs import make_inputs
+  inputs = make_inputs(case)
+  perm = np.random.default_rng(case.seed + 1).permutation(case.seq_len)
+  permuted = dict(inputs)
+  for name in ("k", "v"):
+    permuted[name] = inputs[name][:, perm]
+  if inputs["segment_ids"] is not None:
+    # Keys carry their segment id with them; queries keep theirs.
+    raise ValueError("permutation property is drawn without segment ids")
+  base = evaluate(impl, case, inputs)
+  moved = evaluate(impl, case, permuted)
+  inverse = np.argsort(perm)
+  for name in ("dk", "dv"):
+    moved[name] = moved[name][:, inverse]
+  return _require(score(case, moved, expected=base, slack=2.0),
+                  "permuting keys and values changed the result")
+
+
+def packed_equals_separate(impl, case: Case):
+  """A packed batch row equals each of its documents run alone."""
+  from .inputs import make_inputs
+  inputs = make_inputs(case)
+  packed = evaluate(impl, case, inputs)
+  _, bounds = baseline(case)
+  seg = inputs["segment_ids"]
+  errors = []
+  for b in range(case.batch):
+    starts = np.flatnonzero(np.diff(seg[b], prepend=seg[b][0] - 1))
+    for start, stop in list(zip(starts, list(starts[1:]) + [case.seq_len]))[:3]:
+      sub_case = _replace(case, batch=1, seq_len=int(stop - start), segments="none")
+      sub = {}
+      for name, x in inputs.items():
+        if x is None or name == "segment_ids":
+          sub[name] = None
+        elif name == "dlse":
+          sub[name] = x[b:b + 1, :, start:stop]
+        elif name == "temperature":
+          full = np.broadcast_to(x, (case.batch, case.seq_len, case.num_q_heads))
+          sub[name] = np.ascontiguousarray(full[b:b + 1, start:stop])
+        else:
+          sub[name] = x[b:b + 1, start:stop]
+      alone = evaluate(impl, sub_case, sub)
+      for name in ("out", "lse", "dq", "dk", "dv"):
+        if packed[name] is None:
+          continue
+        take = (lambda x: x[b:b + 1, :, start:stop]) if name == "lse" else \
+               (lambda x: x[b:b + 1, start:stop])
+        errors.append(compare(f"{name}[b{b}:{start}:{stop}]", case.dtype, take(packed[name]),
+                              alone[name], *bounds[name], slack=2.0))
+  bad = [e for e in errors if not e.ok]
+  if bad:
+    raise PropertyFailure("a packed document differs from the same document alone", bad)
+  return errors
+
+
+def hidden_keys_do_not_leak(impl, case: Case):
+  """Poisoning keys/values hidden from a set of queries leaves those rows alone.
+
+  Poison: huge finite keys and values (1e4 in 16-bit, 1e30 in float32 values).
+  Hidden sets: with segments, the last document's keys (hidden from all other
+  documents); else with causal, the last quarter of keys (hidden from earlier
+  queries); else with a window, the first keys (hidden from queries beyond the
+  window).
+  """
+  from .inputs import make_inputs
+  inputs = make_inputs(case)
+  t = case.seq_len
+  rows = np.zeros((case.batch, t), bool)      # queries that must not see the poison
+  poison = np.zeros((case.batch, t), bool)    # poisoned key positions
+  if inputs["segment_ids"] is not None:
+    seg = inputs["segment_ids"]
+    poison = seg == seg[:, -1:]
+    rows = ~poison
+  elif case.causal:
+    cut = t - max(1, t // 4)
+    poison[:, cut:] = True
+    rows[:, :cut] = True
+  elif case.window_len:
+    # Keys [0, c) are hidden from queries i >= c - 1 + window_len.
+    c = max(1, t // 4)
+    poison[:, :c] = True
+    rows[:, c - 1 + case.window_len:] = True
+  else:
+    raise ValueError("hidden-key property needs segments, causal or a window")
+  if not rows.any():
+    return []
+  huge_v = 1e30 if case.dtype == "float32" else 1e4
+  bad_inputs = dict(inputs)
+  for name, value in (("k", 1e4 if case.dtype != "float32" else 1e6), ("v", huge_v)):
+    x = inputs[name].copy()
+    x[poison] = np.asarray(value, x.dtype) * np.where(
+        np.random.default_rng(case.seed).random(x[poison].shape) < 0.5, -1, 1).astype(x.dtype)
+    bad_inputs[name] = x
+  clean = evaluate(impl, case, inputs)
+  dirty = evaluate(impl, case, bad_inputs)
+  errors = []
+  for name in ("out", "dq", "lse"):
+    if clean[name] is None:
+      continue
+    mask = rows if name != "lse" else rows[:, None, :]
+    sel = lambda x: np.where(np.broadcast_to(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x.shape), x, 0)
+    errors.append(compare(name, case.dtype, sel(dirty[name]), sel(clean[name]), 0.0, 0.0))
+  bad = [e for e in errors if not e.ok]
+  if bad:
+    raise PropertyFailure("poisoned hidden keys changed rows that cannot see them", bad)
+  return errors
+
+
+def _same_call(impl, case: Case, other: Case, what: str, slack: float = 2.0):
+  return _require(score(case, evaluate(impl, other), expected=evaluate(impl, case),
+                        slack=slack), what)
+
+
+def zero_z_loss_is_no_z_loss(impl, case: Case):
+  """An explicit z_loss_weight=0.0 is bit-identical to not passing it."""
+  case = _replace(case, z_loss_weight=0.0)
+  explicit = evaluate(impl, case)
+  omitted = evaluate(impl, case, omit=("z_loss_weight",))
+  return _require(score(case, omitted, expected=explicit, slack=0.0),
+                  "z_loss_weight=0 differs from no z-loss")
+
+
+def unit_temperature_is_none(impl, case: Case):
+  return _same_call(impl, _replace(case, temperature="none"), _replace(case, temperature="ones"),
+                    "temperature of ones differs from temperature=None")
+
+
+def huge_tanh_cap_is_no_cap(impl, case: Case):
+  from .inputs import logit_scale
+  capped = _replace(case, cap_method="tanh", cap_params=(1e4 * logit_scale(case),))
+  return _same_call(impl, _replace(case, cap_method="none", cap_params=()), capped,
+                    "a huge tanh cap differs from no cap")
+
+
+def window_covering_sequence_is_no_window(impl, case: Case):
+  return _same_call(impl, _replace(case, window_len=0),
+                    _replace(case, window_len=case.seq_len + case.seed % 5),
+                    "window_len >= T differs from no window")
+
+
+def gqa_equals_repeated_heads(impl, case: Case):
+  """GQA equals MHA on K/V heads repeated G times; dk/dv are the group sums."""
+  from .inputs import make_inputs
+  g = case.num_q_heads // case.num_kv_heads
+  inputs = make_inputs(case)
+  repeated = dict(inputs)
+  for name in ("k", "v"):
+    repeated[name] = np.repeat(inputs[name], g, axis=2)
+  mha_case = _replace(case, num_kv_heads=case.num_q_heads)
+  mha = evaluate(impl, mha_case, repeated)
+  for name in ("dk", "dv"):
+    x = mha[name].astype(np.float64)
+    mha[name] = x.reshape(x.shape[:2] + (case.num_kv_heads, g) + x.shape[3:]).sum(axis=3)
+  gqa = evaluate(impl, case, inputs)
+  # Group sums add up to G rounded terms: allow G + 1 tolerances for dk/dv.
+  errors = score(case, mha, expected=gqa, slack=2.0, outputs=("out", "lse", "dq"))
+  errors += score(case, mha, expected=gqa, slack=g + 1.0, outputs=("dk", "dv"))
+  return _require(errors, "GQA differs from MHA with repeated kv heads")
+
+
+def deterministic(impl, case: Case):
+  """Two identical calls are bit-identical."""
+  from .inputs import make_inputs
+  inputs = make_inputs(case)
+  first, second = evaluate(impl, case, inputs), evaluate(impl, case, inputs)
+  for name, x in first.items():
+    if x is not None and not np.array_equal(x, second[name], equal_nan=True):
+      raise PropertyFailure(f"two identical calls differ in {name}")
+  return []
+
+
+PROPERTIES = {f.__name__: f for f in (
+    matches_oracle, key_permutation_invariance, packed_equals_separate,
+    hidden_keys_do_not_leak, zero_z_loss_is_no_z_loss, unit_temperature_is_none,
+    huge_tanh_cap_is_no_cap, window_covering_sequence_is_no_window,
+    gqa_equals_repeated_heads, deterministic)}
+
+
+# --------------------------------------------------------------------------- #
+# Recording and replay.
+
+FAILURE_DIR = os.environ.get("UA_FAILURE_DIR", "ua-failures")
+
+
+def _record(prop: str, case: Case, errors, passed: bool, seconds: float):
+  report_dir = os.environ.get("UA_REPORT_DIR")
+  if not report_dir:
+    return
+  ratio = max((e.ratio for e in errors), default=0.0)
+  line = {"property": prop, "groups": case.groups(), "passed": passed,
+          "ratio": ratio if np.isfinite(ratio) else 1e300, "seconds": seconds}
+  with open(os.path.join(report_dir, f"results-{os.getpid()}.jsonl"), "a") as f:
+    f.write(json.dumps(line) + "\n")
+
+
+def run_property(prop: str, impl, impl_name: str, case: Case):
+  """Runs one property; on failure saves the case and names the replay command."""
+  start = time.perf_counter()
+  try:
+    errors = PROPERTIES[prop](impl, case)
+  except Exception as exc:  # noqa: BLE001 -- any failure is a finding
+    errors = getattr(exc, "errors", [])
+    _record(prop, case, errors, False, time.perf_counter() - start)
+    os.makedirs(FAILURE_DIR, exist_ok=True)
+    path = os.path.join(FAILURE_DIR, f"{prop}-{case.digest()}.json")
+    save_case_file(path, case, prop, impl_name, [e.to_dict() for e in errors],
+                   f"{type(exc).__name__}: {exc}")
+    raise AssertionError(
+        f"{prop} failed for {impl_name} on {case}\n{type(exc).__name__}: {exc}\n"
+        f"replay: ua-repro {path} --impl {impl_name}") from exc
+  ratio = max((e.ratio for e in errors), default=0.0)
+  if hypothesis.currently_in_test_context() and np.isfinite(ratio):
+    hypothesis.target(float(ratio), label="error/tolerance")
+  _record(prop, case, errors, True, time.perf_counter() - start)
+  return errors

@@ -1,0 +1,86 @@
+"""Tensors of a Case, drawn from its seed (numpy, so identical everywhere)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .case import Case
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def _values(rng, shape, distribution):
+  if distribution == "large":
+    return rng.normal(size=shape) * rng.uniform(4.0, 12.0)
+  if distribution == "ties":
+    # Few distinct values: exact ties among logits and among row maxima.
+    return rng.integers(-2, 3, size=shape) * 0.5
+  return rng.normal(size=shape)
+
+
+def _segments(rng, case: Case):
+  b, t = case.batch, case.seq_len
+  if case.segments == "random":
+    return rng.integers(0, 3, size=(b, t)).astype(np.int32)
+  rows = []
+  for _ in range(b):
+    ids, doc = [], 0
+    while len(ids) < t:
+      # Short documents, 1-token ones included, plus the odd long one.
+      length = int(rng.choice([1, 1, 2, 3, 5, 8, 13, max(1, t // 2)]))
+      ids.extend([doc] * length)
+      doc += 1
+    rows.append(ids[:t])
+  return np.asarray(rows, np.int32)
+
+
+def _temperature(rng, case: Case):
+  b, t, h = case.batch, case.seq_len, case.num_q_heads
+  kind = case.temperature
+  if kind == "none":
+    return None
+  if kind == "ones":
+    return np.ones((b, t, h), np.float32)
+  if kind == "uniform":
+    return rng.uniform(0.25, 4.0, size=(b, t, h)).astype(np.float32)
+  if kind == "extreme":
+    return np.exp(rng.uniform(math.log(1e-3), math.log(50.0), size=(b, t, h))).astype(np.float32)
+  if kind == "per_head":
+    return rng.uniform(0.5, 2.0, size=(h,)).astype(np.float32)
+  if kind == "scalar":
+    return np.float32(rng.uniform(0.5, 2.0))
+  raise ValueError(f"unknown temperature kind {kind!r}")
+
+
+def make_inputs(case: Case) -> dict:
+  """q, k, v (case dtype), segment_ids, temperature, dout, dlse as numpy."""
+  rng = np.random.default_rng(case.seed)
+  dtype = DTYPES[case.dtype]
+  b, t, hq, hkv, d = (case.batch, case.seq_len, case.num_q_heads,
+                      case.num_kv_heads, case.head_dim)
+  q = _values(rng, (b, t, hq, d), case.distribution).astype(dtype)
+  k = _values(rng, (b, t, hkv, d), case.distribution).astype(dtype)
+  v = rng.normal(size=(b, t, hkv, d)).astype(dtype)
+  seg = None if case.segments == "none" else _segments(rng, case)
+  temp = _temperature(rng, case)
+  dout = rng.normal(size=(b, t, hq, d)).astype(dtype)
+  dlse = rng.normal(size=(b, hq, t)).astype(np.float32)
+  return {"q": q, "k": k, "v": v, "segment_ids": seg, "temperature": temp,
+          "dout": dout, "dlse": dlse}
+
+
+def logit_scale(case: Case) -> float:
+  """Typical |scaled logit| of the case's distribution, to place caps."""
+  sm = case.sm_scale if case.sm_scale is not None else 1.0 / math.sqrt(case.head_dim)
+  spread = {"normal": 1.0, "large": 8.0, "ties": 1.0}[case.distribution]
+  return sm * spread * math.sqrt(case.head_dim)
+
+
+def to_jnp(x, dtype=None):
+  if x is None:
+    return None
+  return jnp.asarray(x if dtype is None else np.asarray(x).astype(dtype))

@@ -1,0 +1,126 @@
+"""Tolerance model: how close an implementation must be to the float64 oracle.
+
+For each output X in (out, lse, dq, dk, dv) of a case:
+    err_impl = max |X_impl - X_oracle|      err_ref = max |X_ref - X_oracle|
+where X_oracle is ua_reference in float64 and X_ref is ua_reference run on the
+same-precision inputs (its natural precision for that dtype). The case passes iff
+    err_impl <= ALPHA[X] * err_ref + FLOOR[dtype] * scale[X],
+scale[X] = max(max |X_oracle|, a bound on the terms summed into X): gradients
+can cancel to ~0 (T = 1 gives dq = dk = 0 exactly) while the kernel still
+rounds terms of size |dO||V|, so the floor follows the terms, not the result.
+ALPHA scales with how much more rounding a fused kernel does than the reference
+(16-bit probabilities and ds tiles in the matmuls); FLOOR covers cases whose
+reference happens to round almost exactly. Both come from data: see
+scripts in properties/calibrate.py and docs/TOLERANCES.md. NaN/inf are checked
+separately and always fail (lse = -inf only where the oracle has -inf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+OUTPUTS = ("out", "lse", "dq", "dk", "dv")
+
+# Calibrated in docs/TOLERANCES.md (properties/calibrate.py).
+ALPHA = {"out": 4.0, "lse": 4.0, "dq": 8.0, "dk": 8.0, "dv": 8.0}
+FLOOR = {"float32": 4 * 2.0 ** -23, "bfloat16": 2 * 2.0 ** -8, "float16": 2 * 2.0 ** -10,
+         "float64": 4 * 2.0 ** -52}
+
+
+@dataclasses.dataclass
+class OutputError:
+  name: str
+  max_abs_err: float
+  ref_err: float
+  tolerance: float
+  nan_count: int
+  inf_mismatch: int
+  worst_index: tuple[int, ...]
+
+  @property
+  def ratio(self) -> float:
+    if self.nan_count or self.inf_mismatch:
+      return float("inf")
+    if self.tolerance == 0:
+      return 0.0 if self.max_abs_err == 0 else float("inf")
+    return self.max_abs_err / self.tolerance
+
+  @property
+  def ok(self) -> bool:
+    return self.ratio <= 1.0
+
+  def to_dict(self):
+    d = dataclasses.asdict(self)
+    d["ratio"] = self.ratio
+    d["worst_index"] = list(self.worst_index)
+    return d
+
+
+def _as64(x):
+  return np.asarray(np.asarray(x).astype(np.float64))
+
+
+def tolerance(name: str, dtype: str, ref_err: float, scale: float) -> float:
+  return ALPHA[name] * ref_err + FLOOR[dtype] * scale
+
+
+def _absmax(x) -> float:
+  x = _as64(x)
+  return float(np.max(np.abs(np.where(np.isfinite(x), x, 0.0)), initial=0.0))
+
+
+def term_scales(case, inputs: dict, oracle: dict) -> dict[str, float]:
+  """Bounds on the magnitude of the terms each output sums (see module doc).
+
+  ds = p * (dp - delta) * temperature * cap' * sm_scale with |cap'| <= 1 for
+  the built-in caps; dp = dO.V is bounded by row norms.
+  """
+  row_norm = lambda x: float(np.max(np.linalg.norm(_as64(x), axis=-1), initial=0.0))
+  sm = case.sm_scale if case.sm_scale is not None else case.head_dim ** -0.5
+  temp = 1.0 if inputs["temperature"] is None else _absmax(inputs["temperature"])
+  lse = _absmax(oracle["lse"]) if oracle.get("lse") is not None else 0.0
+  dlse = _absmax(inputs["dlse"]) if case.return_lse else 0.0
+  dp = row_norm(inputs["dout"]) * row_norm(inputs["v"])
+  ds = temp * abs(sm) * (2 * dp + dlse + case.z_loss_weight * lse)
+  return {"out": _absmax(inputs["v"]), "lse": 1.0, "dv": _absmax(inputs["dout"]),
+          "dq": ds * _absmax(inputs["k"]), "dk": ds * _absmax(inputs["q"])}
+
+
+def reference_error(ref, oracle, term_scale: float = 0.0) -> tuple[float, float]:
+  """(max |ref - oracle|, floor scale) over the oracle's finite entries."""
+  ref, oracle = _as64(ref), _as64(oracle)
+  finite = np.isfinite(oracle)
+  ref_diff = np.where(finite & np.isfinite(ref), np.abs(ref - oracle), 0.0)
+  return float(np.max(ref_diff, initial=0.0)), max(_absmax(oracle), term_scale)
+
+
+def compare(name: str, dtype: str, impl, expected, ref_err: float, scale: float, *,
+            slack: float = 1.0) -> OutputError:
+  """Scores one output against ``expected`` (the oracle, or for metamorphic
+  properties another result of the same implementation, with ``slack`` 2 by
+  the triangle inequality)."""
+  impl, expected = _as64(impl), _as64(expected)
+  if impl.shape != expected.shape:
+    raise AssertionError(f"{name}: shape {impl.shape} != expected {expected.shape}")
+  finite = np.isfinite(expected)
+  nan_count = int(np.isnan(impl).sum())
+  # Non-finite where a finite value is expected, or not exactly the expected
+  # -inf (lse of a row with no visible key).
+  inf_mismatch = int((np.isinf(impl) & finite).sum()
+                     + (~finite & ~np.isnan(impl) & (impl != expected)).sum())
+  diff = np.where(finite & np.isfinite(impl), np.abs(impl - expected), 0.0)
+  worst = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.size else ()
+  return OutputError(name, float(np.max(diff, initial=0.0)), ref_err,
+                     slack * tolerance(name, dtype, ref_err, scale), nan_count,
+                     inf_mismatch, tuple(int(i) for i in worst))
+
+
+def error_table(errors: list[OutputError]) -> str:
+  lines = [f"{'output':6} {'max_abs_err':>12} {'tolerance':>12} {'ratio':>9} "
+           f"{'NaN':>5} {'inf!':>5}  worst index"]
+  for e in errors:
+    lines.append(f"{e.name:6} {e.max_abs_err:12.4e} {e.tolerance:12.4e} {e.ratio:9.3f} "
+                 f"{e.nan_count:5d} {e.inf_mismatch:5d}  {e.worst_index}")
+  return "\n".join(lines)
