@@ -34,8 +34,8 @@ PLAN = {
 
 def _examples(n):
   profile = settings._current_profile
-  factor = {"ci": 1, "dev": 3, "fuzz": 25, "gpu": 1}.get(profile, 1)
-  return settings(max_examples=max(1, n * factor))
+  factor = {"ci": 1, "dev": 3, "fuzz": 25, "gpu": 0.3}.get(profile, 1)
+  return settings(max_examples=max(1, round(n * factor)))
 
 
 def _draw_case(data, impl, buckets, require, forbid):

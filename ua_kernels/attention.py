@@ -54,9 +54,11 @@ def _interpret(config: KernelConfig) -> bool:
   return jax.default_backend() != "gpu"
 
 
-def _compiler_params(config: KernelConfig, head_dim: int):
-  warps = config.num_warps or (4 if head_dim <= 64 else 8)
-  return pltriton.CompilerParams(num_warps=warps, num_stages=config.num_stages)
+def _compiler_params(config: KernelConfig, head_dim: int, backward: bool = False):
+  warps = config.num_warps_bwd if backward else config.num_warps
+  stages = config.num_stages_bwd if backward else config.num_stages
+  return pltriton.CompilerParams(num_warps=warps or (4 if head_dim <= 64 else 8),
+                                 num_stages=stages)
 
 
 def _prepare(spec, config, q, k, v, seg, temp):
@@ -111,7 +113,7 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
   delta = _pad(delta, {2: seq_pad})
   padded = seq_pad != t
   seg_spec = lambda: None if seg is None else pl.BlockSpec((None, seq_pad), lambda i, bi, h: (bi, 0))
-  params = dict(compiler_params=_compiler_params(config, head_dim),
+  params = dict(compiler_params=_compiler_params(config, head_dim, backward=True),
                 interpret=_interpret(config))
 
   # dq: one program per (query tile, batch, query head).
@@ -182,6 +184,8 @@ def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
   if q.dtype not in SUPPORTED_DTYPES:
     raise TypeError(f"ua_kernels.attention supports q/k/v dtypes float32, bfloat16 "
                     f"and float16, got {q.dtype}")
+  if temperature is not None:
+    temperature = temperature.astype(jnp.float32)
   if config is None:
     config = default_config(spec, q.dtype)
   elif not isinstance(config, KernelConfig):

@@ -80,7 +80,7 @@ def validate(q, k, v, *, segment_ids=None, causal=False, window_len=0,
   """Checks one call against the contract.
 
   Returns ``(spec, segment_ids, temperature)``: the StaticSpec, segment ids as
-  int32 [B, T] (or None), and temperature broadcast to float32 [B, T, Hq]
+  int32 [B, T] (or None), and temperature broadcast to [B, T, Hq], float32 (float64 kept)
   (or None).
   """
   q, k, v = _array("q", q), _array("k", k), _array("v", v)
@@ -148,7 +148,10 @@ def validate(q, k, v, *, segment_ids=None, causal=False, window_len=0,
       raise ValueError(
           f"temperature of shape {tuple(temperature.shape)} does not broadcast to "
           f"[B, T, Hq] = {(b, t, hq)}") from None
-    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b, t, hq))
+    temperature = jnp.asarray(temperature)
+    if temperature.dtype != jnp.float64:  # float64 stays, for the float64 oracle
+      temperature = temperature.astype(jnp.float32)
+    temperature = jnp.broadcast_to(temperature, (b, t, hq))
 
   spec = StaticSpec(
       batch=b, seq_len=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,

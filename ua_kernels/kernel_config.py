@@ -24,6 +24,8 @@ class KernelConfig:
   block_kv_dkv: int = 64
   num_warps: int | None = None
   num_stages: int = 2
+  num_warps_bwd: int | None = None
+  num_stages_bwd: int = 2
   interpret: bool | None = None
 
   def __post_init__(self):
@@ -35,13 +37,15 @@ class KernelConfig:
       if value < 16 or value & (value - 1):
         raise ValueError(
             f"KernelConfig.{field} must be a power of two >= 16, got {value}")
-    if self.num_warps is not None and self.num_warps not in _WARPS:
-      raise ValueError(f"KernelConfig.num_warps must be one of {_WARPS} or None, "
-                       f"got {self.num_warps!r}")
-    if (isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int)
-        or self.num_stages < 1):
-      raise ValueError(
-          f"KernelConfig.num_stages must be an int >= 1, got {self.num_stages!r}")
+    for field in ("num_warps", "num_warps_bwd"):
+      value = getattr(self, field)
+      if value is not None and value not in _WARPS:
+        raise ValueError(f"KernelConfig.{field} must be one of {_WARPS} or None, "
+                         f"got {value!r}")
+    for field in ("num_stages", "num_stages_bwd"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"KernelConfig.{field} must be an int >= 1, got {value!r}")
     if self.interpret is not None and not isinstance(self.interpret, bool):
       raise TypeError(
           f"KernelConfig.interpret must be a bool or None, got {self.interpret!r}")

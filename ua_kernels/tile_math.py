@@ -85,8 +85,13 @@ def logits_grad(spec: StaticSpec, p, dp, delta, scaled, temp):
   return ds * spec.sm_scale
 
 
-def _ceil_div(a, b):
-  return lax.div(a + (b - 1), b)
+def _div(a, b: int):
+  # An int32 divisor: under jax_enable_x64 a Python int would become int64.
+  return lax.div(a, jnp.int32(b))
+
+
+def _ceil_div(a, b: int):
+  return _div(a + (b - 1), b)
 
 
 def kv_block_range(spec: StaticSpec, q_start, block_q, block_kv):
@@ -97,7 +102,7 @@ def kv_block_range(spec: StaticSpec, q_start, block_q, block_kv):
   if spec.causal:
     hi = jnp.minimum(_ceil_div(q_start + block_q, block_kv), hi)
   if spec.window_len > 0:
-    lo = lax.div(jnp.maximum(q_start - (spec.window_len - 1), 0), block_kv)
+    lo = _div(jnp.maximum(q_start - (spec.window_len - 1), 0), block_kv)
   return lo, hi
 
 
@@ -107,7 +112,7 @@ def q_block_range(spec: StaticSpec, k_start, block_q, block_kv):
   lo = jnp.int32(0)
   hi = jnp.int32(num_blocks)
   if spec.causal:
-    lo = lax.div(k_start, block_q)
+    lo = _div(k_start, block_q)
   if spec.window_len > 0:
     hi = jnp.minimum(_ceil_div(k_start + block_kv - 1 + spec.window_len, block_q), hi)
   return lo, hi

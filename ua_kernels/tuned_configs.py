@@ -1,14 +1,26 @@
-"""Default KernelConfig per (head dim, dtype, masking)."""
+"""Default KernelConfig per (head dim, masking), from benchmarks/tune.py.
+
+Measured on one H200 (jax 0.11.2, triton 3.6, bf16, B=4 (2 for D=256), T=4096,
+H=16): benchmarks/results/tune-h200-2026-11-30.json. float16/float32 use the
+same tiles (float32 tiles are twice the bytes; D=256 float32 keeps the small
+D=256 tiles). On CPU the interpreter ignores warps and stages.
+"""
 
 from __future__ import annotations
 
 from .contract import StaticSpec
 from .kernel_config import KernelConfig
 
+_BWD_64 = dict(block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
+               num_warps_bwd=4, num_stages_bwd=2)
+
 
 def default_config(spec: StaticSpec, dtype) -> KernelConfig:
   del dtype
   if spec.head_dim > 128:
-    return KernelConfig(block_q=64, block_kv=32, block_q_dq=32, block_kv_dq=32,
-                        block_q_dkv=32, block_kv_dkv=32)
-  return KernelConfig()
+    return KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2,
+                        block_q_dq=32, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=32,
+                        num_warps_bwd=4, num_stages_bwd=2)
+  if spec.head_dim > 64 and not spec.causal and spec.window_len == 0:
+    return KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=3, **_BWD_64)
+  return KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3, **_BWD_64)

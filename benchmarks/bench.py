@@ -1,0 +1,181 @@
+"""ua-bench: forward and forward+backward time and TFLOP/s against peers.
+
+FLOPs: 4*B*Hq*T^2*D for the forward over visible pairs (halved for causal,
+T*W-ish for windows: counted exactly from the mask), forward+backward 3.5x.
+Timing: median of --repeats timed calls after warm-up, block_until_ready.
+Prints a table headed by date, GPU and versions, and writes it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ua_kernels
+
+
+def visible_pairs(t, causal, window, doc_len=None):
+  """Exact count of visible (query, key) pairs for one head."""
+  if doc_len:
+    n = t // doc_len
+    return n * visible_pairs(doc_len, causal, window)
+  i = np.arange(t)
+  lo = np.maximum(i - window + 1, 0) if window else np.zeros_like(i)
+  hi = i + 1 if causal else np.full_like(i, t)
+  return int(np.maximum(hi - lo, 0).sum())
+
+
+def _time(fn, args, repeats, inner=5):
+  out = fn(*args)
+  jax.block_until_ready(out)
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / inner)
+  return statistics.median(times) * 1e3
+
+
+def _fwd_bwd(f):
+  def loss(q, k, v):
+    return jnp.sum(f(q, k, v).astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def peers(causal, window, cap, doc_len, hq, hkv):
+  """name -> attention(q, k, v) for the peers that support this configuration."""
+  out = {}
+  plain = not window and not doc_len
+  if plain and hq == hkv:
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+    if not cap:
+      out["jax_pallas_triton"] = lambda q, k, v: pallas_attention.mha(
+          q, k, v, segment_ids=None, causal=causal, sm_scale=q.shape[-1] ** -0.5)
+  if not cap and plain:
+    for impl in ("cudnn", "xla"):
+      out[f"jax.nn.dpa[{impl}]"] = functools.partial(
+          lambda q, k, v, impl: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                             implementation=impl), impl=impl)
+  if cap and plain and hq == hkv:
+    def jnp_cap(q, k, v):
+      s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+      s = s * q.shape[-1] ** -0.5
+      s = cap * jnp.tanh(s / cap)
+      if causal:
+        t = q.shape[1]
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+      p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+      return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    out["jnp_tanh_cap"] = jnp_cap
+  return out
+
+
+def torch_flex(b, t, h, d, causal, cap, repeats):
+  """(fwd ms, fwd+bwd ms) of torch FlexAttention with a tanh score_mod, or None."""
+  try:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    import triton.testing
+  except Exception:  # noqa: BLE001 -- optional peer
+    return None
+  if not torch.cuda.is_available():
+    return None
+  q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+             for _ in range(3))
+  score_mod = (lambda s, b_, h_, qi, ki: cap * torch.tanh(s / cap)) if cap else None
+  mask = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, t, t) if causal else None
+  flex = torch.compile(flex_attention)
+  fwd = lambda: flex(q, k, v, score_mod=score_mod, block_mask=mask)
+  def fwd_bwd():
+    fwd().sum().backward()
+  return (triton.testing.do_bench(fwd, return_mode="median"),
+          triton.testing.do_bench(fwd_bwd, return_mode="median"))
+
+
+CONFIGS = {
+    # name: (B, T, Hq, Hkv, D, causal, window, tanh cap, doc_len)
+    "quick": [(4, 4096, 16, 16, 128, False, 0, 0.0, 0), (4, 4096, 16, 16, 128, True, 0, 0.0, 0),
+              (4, 4096, 16, 16, 128, False, 0, 30.0, 0), (4, 4096, 16, 16, 128, True, 0, 30.0, 0)],
+    "full": [(4, 4096, 16, 16, 128, False, 0, 0.0, 0), (4, 4096, 16, 16, 128, True, 0, 0.0, 0),
+             (4, 4096, 16, 16, 128, False, 0, 30.0, 0), (4, 4096, 16, 16, 128, True, 0, 30.0, 0),
+             (4, 4096, 16, 16, 64, True, 0, 0.0, 0), (2, 4096, 16, 16, 256, True, 0, 0.0, 0),
+             (4, 4096, 16, 4, 128, True, 0, 0.0, 0), (1, 16384, 16, 16, 128, True, 0, 0.0, 0),
+             (1, 16384, 16, 16, 128, True, 512, 0.0, 0), (1, 16384, 16, 16, 128, True, 4096, 0.0, 0),
+             (4, 4096, 16, 16, 128, True, 0, 0.0, 512), (1, 1024, 16, 16, 128, True, 0, 0.0, 0),
+             (1, 32768, 16, 16, 128, True, 0, 0.0, 0)],
+}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="ua-bench", description=__doc__)
+  parser.add_argument("--set", default="quick", choices=sorted(CONFIGS))
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--no-peers", action="store_true")
+  parser.add_argument("--json", default="bench.json")
+  args = parser.parse_args(argv)
+  dev = jax.devices()[0]
+  header = {"date": datetime.date.today().isoformat(), "device": dev.device_kind,
+            "jax": jax.__version__, "python": platform.python_version()}
+  try:
+    import triton
+    header["triton"] = triton.__version__
+  except Exception:  # noqa: BLE001
+    pass
+  rows = []
+  for b, t, hq, hkv, d, causal, window, cap, doc in CONFIGS[args.set]:
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.bfloat16)
+    seg = None if not doc else jnp.asarray(np.repeat(np.arange(t // doc), doc)[None].repeat(b, 0))
+    flops = 4 * b * hq * d * visible_pairs(t, causal, window, doc)
+    kw = dict(causal=causal, window_len=window, segment_ids=seg,
+              cap_method="tanh" if cap else "none", cap_params=(cap,) if cap else ())
+    impls = {"ua_kernels": lambda q, k, v: ua_kernels.attention(q, k, v, **kw)}
+    if not args.no_peers:
+      impls.update(peers(causal, window, cap, doc, hq, hkv))
+    label = f"B{b} T{t} H{hq}/{hkv} D{d}" + (" causal" if causal else "") + \
+        (f" win{window}" if window else "") + (f" tanh{cap:g}" if cap else "") + \
+        (f" docs{doc}" if doc else "")
+    for name, f in impls.items():
+      try:
+        fwd_ms = _time(jax.jit(f), (q, k, v), args.repeats)
+        bwd_ms = _time(_fwd_bwd(f), (q, k, v), args.repeats)
+      except Exception as exc:  # noqa: BLE001 -- a peer may not support the case
+        rows.append({"config": label, "impl": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        continue
+      rows.append({"config": label, "impl": name, "fwd_ms": fwd_ms, "fwd_bwd_ms": bwd_ms,
+                   "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_tflops": 3.5 * flops / bwd_ms / 1e9})
+    if not args.no_peers and not window and not doc and hq == hkv:
+      flex = torch_flex(b, t, hq, d, causal, cap, args.repeats)
+      if flex:
+        rows.append({"config": label, "impl": "torch_flex" + ("_tanh" if cap else ""),
+                     "fwd_ms": flex[0], "fwd_bwd_ms": flex[1], "fwd_tflops": flops / flex[0] / 1e9,
+                     "fwd_bwd_tflops": 3.5 * flops / flex[1] / 1e9})
+  print(" ".join(f"{k}={v}" for k, v in header.items()))
+  print(f"{'config':38} {'impl':20} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'f+b TF/s':>9}")
+  for r in rows:
+    if "error" in r:
+      print(f"{r['config']:38} {r['impl']:20} error: {r['error'][:60]}")
+    else:
+      print(f"{r['config']:38} {r['impl']:20} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
+            f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_tflops']:9.1f}")
+  with open(args.json, "w") as f:
+    json.dump({"header": header, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

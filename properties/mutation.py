@@ -1,0 +1,220 @@
+"""ua-mutate: source-level mutation testing of ua_kernels.
+
+Each mutant is one textual change to the kernels or their wrapper. For each,
+the repository is copied to a temporary directory, the change applied, and the
+suite's ci profile run there (interpret mode) until the first failure:
+killed (with the test that killed it and the time to kill) or survived.
+Mutants S1-S8 re-introduce the seed kernel's defects (docs/DEFECTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  id: str
+  file: str
+  old: str
+  new: str
+  description: str
+  occurrence: int | None = None  # which match to change when not unique (0-based)
+
+
+TM, KE, AT, SS = ("ua_kernels/tile_math.py", "ua_kernels/kernels.py",
+                  "ua_kernels/attention.py", "ua_kernels/softmax_state.py")
+
+MUTANTS = [
+    # --- seed defects, re-introduced ---------------------------------------
+    Mutant("S1", TM,
+           "  logits = spec.cap.forward(scaled, *spec.cap_params)\n",
+           "  if mask is not None:\n    scaled = jnp.where(mask, scaled, -jnp.inf)\n"
+           "    mask = None\n  logits = spec.cap.forward(scaled, *spec.cap_params)\n",
+           "seed: mask applied before the cap (cap(-inf) is finite for tanh/hard)"),
+    Mutant("S2", TM, "hi = jnp.minimum(_ceil_div(q_start + block_q, block_kv), hi)",
+           "hi = jnp.minimum(_div(q_start, block_kv) + 1, hi)",
+           "seed: causal key-loop bound floor(q_start/bkv)+1 (misses keys when bq > bkv)"),
+    Mutant("S3", TM, "lo = _div(jnp.maximum(q_start - (spec.window_len - 1), 0), block_kv)",
+           "lo = jnp.maximum(hi - (spec.window_len + block_q) // block_kv, 0)",
+           "seed: window lower bound counted back from the upper bound (off by one; "
+           "wrong without causal)"),
+    Mutant("S4", TM, "  return jnp.exp(logits - lse_safe[:, None])",
+           "  p = jnp.exp(logits - lse_safe[:, None])\n"
+           "  return p / jnp.maximum(jnp.sum(p, axis=1, keepdims=True), 1e-30)",
+           "seed: backward probabilities renormalised within each key block"),
+    Mutant("S5", AT, "- dlse - spec.z_loss_weight * lse",
+           "- dlse - spec.z_loss_weight * lse * jnp.exp(-jnp.abs(lse))",
+           "seed: z-loss gradient divided by the softmax normaliser"),
+    Mutant("S6", KE, "ds = logits_grad(spec, p, dp, delta, scaled, temp)",
+           "ds = logits_grad(spec, p, dp, delta, logits, temp)",
+           "seed: cap gradient evaluated on capped, temperature-scaled logits", occurrence=0),
+    Mutant("S7", TM,
+           "hi = jnp.minimum(_ceil_div(k_start + block_kv - 1 + spec.window_len, block_q), hi)",
+           "hi = jnp.minimum(lo + (spec.window_len + block_kv) // block_q, hi)",
+           "seed: dk/dv query-loop window bound counted from the loop start"),
+    Mutant("S8", KE, "lax.fori_loop(0, spec.group_size, head, (zeros, zeros))",
+           "lax.fori_loop(0, 1, head, (zeros, zeros))",
+           "seed: dk/dv not summed over the GQA group (first query head only)"),
+    # --- plausible kernel bugs ----------------------------------------------
+    Mutant("M1", TM, "conditions.append(k_pos[None, :] <= q_pos[:, None])",
+           "conditions.append(k_pos[None, :] < q_pos[:, None])", "causal diagonal hidden"),
+    Mutant("M2", TM, "conditions.append(k_pos[None, :] > q_pos[:, None] - spec.window_len)",
+           "conditions.append(k_pos[None, :] >= q_pos[:, None] - spec.window_len)",
+           "window edge off by one"),
+    Mutant("M3", TM, "conditions.append(q_seg[:, None] == k_seg[None, :])",
+           "conditions.append(q_seg[:, None] >= k_seg[None, :])",
+           "segment edge: earlier documents visible"),
+    Mutant("M4", TM, "(q_pos[:, None] < spec.seq_len) & (k_pos[None, :] < spec.seq_len)",
+           "(q_pos[:, None] < spec.seq_len)", "tail keys (padding) not masked"),
+    Mutant("M5", TM, "num_blocks = -(-spec.seq_len // block_kv)",
+           "num_blocks = spec.seq_len // block_kv", "tail key block dropped (floor)"),
+    Mutant("M6", TM, "num_blocks = -(-spec.seq_len // block_q)",
+           "num_blocks = max(spec.seq_len // block_q, 1)", "tail query block dropped in dk/dv"),
+    Mutant("M7", TM, "  logits = spec.cap.forward(scaled, *spec.cap_params)\n  if temp is not None:\n    logits = logits * temp[:, None]\n",
+           "  if temp is not None:\n    scaled = scaled * temp[:, None]\n  logits = spec.cap.forward(scaled, *spec.cap_params)\n",
+           "temperature applied before the cap"),
+    Mutant("M8", TM, "  if temp is not None:\n    ds = ds * temp[:, None]\n", "",
+           "temperature missing from the logits gradient"),
+    Mutant("M9", TM, "    ds = ds * spec.cap.grad(scaled, *spec.cap_params)\n", "",
+           "cap gradient dropped"),
+    Mutant("M10", AT, "- dlse - spec.z_loss_weight * lse", "- dlse + spec.z_loss_weight * lse",
+           "z-loss gradient sign flipped"),
+    Mutant("M11", AT, "- dlse - spec.z_loss_weight * lse", "- spec.z_loss_weight * lse",
+           "lse cotangent ignored"),
+    Mutant("M12", TM, "  return ds * spec.sm_scale", "  return ds", "sm_scale missing from gradients"),
+    Mutant("M13", SS, "dot(p.astype(v.dtype), v)",
+           "dot(p.astype(jnp.bfloat16), v.astype(jnp.bfloat16))",
+           "forward P@V in bfloat16 whatever the input precision"),
+    Mutant("M14", KE, "dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)",
+           "dk = dk + dot(ds.astype(jnp.float16), q.astype(jnp.float16), trans_a=True)",
+           "dk accumulated from float16 ds"),
+    Mutant("M15", AT, "lambda i, bi, h: (bi, 0, h // group, 0))",
+           "lambda i, bi, h: (bi, 0, h % spec.num_kv_heads, 0))",
+           "GQA head mapping h % Hkv instead of h // G (forward)", occurrence=0),
+    Mutant("M16", SS, "self.m + jnp.log(l_safe)", "self.m + jnp.log2(l_safe)",
+           "lse in base 2"),
+    Mutant("M17", SS, "l_new = correction * self.l + jnp.sum(p, axis=1)",
+           "l_new = self.l + jnp.sum(p, axis=1)", "online-softmax row sum not rescaled"),
+    Mutant("M18", AT, "lambda i, bi, h: (bi, 0, h // group, 0))",
+           "lambda i, bi, h: (bi, 0, h % spec.num_kv_heads, 0))",
+           "GQA head mapping h % Hkv instead of h // G (dq kernel)", occurrence=1),
+]
+
+TEST_ORDER = ["tests/test_regressions.py", "tests/test_kernels.py",
+              "tests/test_properties.py"]
+
+
+def apply(mutant: Mutant, root: Path) -> None:
+  path = root / mutant.file
+  text = path.read_text()
+  starts = [m.start() for m in re.finditer(re.escape(mutant.old), text)]
+  if mutant.occurrence is None and len(starts) != 1:
+    raise ValueError(f"{mutant.id}: expected one match in {mutant.file}, found {len(starts)}")
+  at = starts[mutant.occurrence or 0]
+  path.write_text(text[:at] + mutant.new + text[at + len(mutant.old):])
+
+
+def _copy_repo(dest: Path) -> None:
+  ignore = shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", "ua-failures", "*.egg-info",
+                                  ".venv", "benchmarks")
+  shutil.copytree(REPO, dest, ignore=ignore, dirs_exist_ok=True)
+
+
+def run_mutant(mutant: Mutant, timeout: float) -> dict:
+  with tempfile.TemporaryDirectory(prefix=f"ua-mutant-{mutant.id}-") as tmp:
+    root = Path(tmp)
+    _copy_repo(root)
+    apply(mutant, root)
+    env = dict(os.environ, UA_FAILURE_DIR=str(root / "ua-failures"), PYTHONPATH=str(root))
+    env.pop("UA_REPORT_DIR", None)
+    cmd = [sys.executable, "-m", "pytest", *TEST_ORDER, "-x", "-q", "-p", "no:cacheprovider",
+           "-p", "no:randomly", "--hypothesis-profile=ci", "-o", "addopts="]
+    start = time.time()
+    try:
+      proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+      output, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+      output, code = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), None
+    seconds = time.time() - start
+  failed = re.findall(r"^FAILED (\S+)", output, re.M)
+  if code is None:
+    status = "timeout"
+  elif code == 0:
+    status = "survived"
+  elif failed:
+    status = "killed"
+  else:
+    status = "error"
+  killer = failed[0].split("::", 1)[-1].split(" ")[0] if failed else ""
+  return {"id": mutant.id, "status": status, "killed_by": killer, "seconds": round(seconds, 1),
+          "description": mutant.description, "tail": output[-1500:] if status == "error" else ""}
+
+
+def rotating_subset(count: int, key: str | None = None) -> list[Mutant]:
+  """``count`` mutants chosen by a key (default: today's date), so successive
+  CI runs cover the whole list; seed-defect mutants rotate in like the rest."""
+  key = key or datetime.date.today().isoformat()
+  offset = int(hashlib.sha1(key.encode()).hexdigest(), 16) % len(MUTANTS)
+  return [MUTANTS[(offset + i) % len(MUTANTS)] for i in range(min(count, len(MUTANTS)))]
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="ua-mutate", description=__doc__)
+  parser.add_argument("--only", nargs="*", help="mutant ids to run (default: all)")
+  parser.add_argument("--rotate", type=int, default=0,
+                      help="run only this many mutants, chosen by --key (CI)")
+  parser.add_argument("--key", default=None, help="rotation key (default: today's date)")
+  parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant")
+  parser.add_argument("--list", action="store_true")
+  args = parser.parse_args(argv)
+  mutants = MUTANTS
+  if args.only:
+    mutants = [m for m in MUTANTS if m.id in set(args.only)]
+  elif args.rotate:
+    mutants = rotating_subset(args.rotate, args.key)
+  for m in mutants:  # every mutant must still apply to the current source
+    apply(m, _scratch_copy(m))
+  if args.list:
+    for m in mutants:
+      print(f"{m.id:4} {m.file:28} {m.description}")
+    return 0
+  print(f"{'mutant':6} {'status':9} {'seconds':>8}  killed by / description", flush=True)
+  results = []
+  for m in mutants:
+    r = run_mutant(m, args.timeout)
+    results.append(r)
+    print(f"{r['id']:6} {r['status']:9} {r['seconds']:8.1f}  {r['killed_by'] or '-'}  "
+          f"({r['description']})", flush=True)
+    if r["tail"]:
+      print(r["tail"])
+  killed = sum(r["status"] == "killed" for r in results)
+  print(f"\n{killed}/{len(results)} mutants killed")
+  return 0 if killed == len(results) else 1
+
+
+def _scratch_copy(mutant: Mutant) -> Path:
+  """A throwaway copy of the mutated file's tree, to check the mutant applies."""
+  tmp = Path(tempfile.mkdtemp(prefix="ua-mutant-check-"))
+  target = tmp / mutant.file
+  target.parent.mkdir(parents=True)
+  shutil.copy(REPO / mutant.file, target)
+  return tmp
+
+
+if __name__ == "__main__":
+  sys.exit(main())

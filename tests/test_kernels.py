@@ -1,0 +1,80 @@
+"""Kernel-specific checks: block skipping, jit/vmap, x64, padding."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ua_kernels
+from ua_kernels import KernelConfig
+from ua_kernels.contract import validate
+from ua_kernels.tile_math import kv_block_range, q_block_range
+from properties.runner import x64
+from ua_reference import visible_keys
+
+
+def _spec(t, causal, window):
+  z = np.zeros((1, t, 1, 16), np.float32)
+  return validate(z, z, z, causal=causal, window_len=window)[0]
+
+
+@pytest.mark.parametrize("t, bq, bkv", [(64, 16, 16), (64, 32, 16), (64, 16, 32), (61, 16, 32),
+                                        (100, 32, 16)])
+@pytest.mark.parametrize("causal, window", [(False, 0), (True, 0), (True, 5), (True, 17),
+                                            (False, 9), (False, 40), (True, 1)])
+def test_block_ranges_visit_exactly_the_visible_tiles(t, bq, bkv, causal, window):
+  """Each kernel's loop covers every tile holding a visible pair and no other
+  (causal/window masks; a tile is 'needed' iff some visible pair lies in it)."""
+  spec = _spec(t, causal, window)
+  mask = np.asarray(visible_keys(t, None, causal, window))[0]
+  nq, nkv = -(-t // bq), -(-t // bkv)
+  needed = np.zeros((nq, nkv), bool)
+  for i, j in itertools.product(range(nq), range(nkv)):
+    needed[i, j] = mask[i * bq:(i + 1) * bq, j * bkv:(j + 1) * bkv].any()
+  by_query = np.zeros_like(needed)
+  for i in range(nq):
+    lo, hi = kv_block_range(spec, jnp.int32(i * bq), bq, bkv)
+    by_query[i, int(lo):int(hi)] = True
+  by_key = np.zeros_like(needed)
+  for j in range(nkv):
+    lo, hi = q_block_range(spec, jnp.int32(j * bkv), bq, bkv)
+    by_key[int(lo):int(hi), j] = True
+  np.testing.assert_array_equal(by_query, needed)
+  np.testing.assert_array_equal(by_key, needed)
+
+
+def _inputs(b=2, t=40, hq=4, hkv=2, d=24, dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  mk = lambda h: jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
+  return mk(hq), mk(hkv), mk(hkv)
+
+
+CFG = KernelConfig(16, 32, 32, 16, 16, 32)
+
+
+@pytest.mark.parametrize("enable_x64", [False, True])
+def test_jit_vmap_and_x64(enable_x64):
+  q, k, v = _inputs()
+  kw = dict(causal=True, window_len=7, cap_method="tanh", cap_params=(2.0,), config=CFG)
+  with x64(enable_x64):
+    eager = ua_kernels.attention(q, k, v, **kw)
+    jitted = jax.jit(lambda q, k, v: ua_kernels.attention(q, k, v, **kw))(q, k, v)
+    mapped = jax.vmap(lambda q, k, v: ua_kernels.attention(q[None], k[None], v[None], **kw)[0])(q, k, v)
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ua_kernels.attention(q, k, v, **kw) ** 2),
+                             argnums=(0, 1, 2)))(q, k, v)
+  assert eager.dtype == jnp.float32 and eager.shape == q.shape
+  np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager))
+  np.testing.assert_allclose(np.asarray(mapped), np.asarray(eager), rtol=1e-6, atol=1e-6)
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_output_dtypes_and_lse(dtype):
+  q, k, v = _inputs(dtype=dtype, t=5, d=16)
+  out, lse = ua_kernels.attention(q, k, v, return_lse=True, config=CFG)
+  assert out.dtype == dtype and lse.dtype == jnp.float32 and lse.shape == (2, 4, 5)
+  grads = jax.grad(lambda q, k, v: jnp.sum(ua_kernels.attention(q, k, v, config=CFG)
+                                           .astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+  assert [g.dtype for g in grads] == [dtype] * 3
