@@ -5,6 +5,7 @@ bounded), dev, fuzz (randomized, long, example database, targets the
 error/tolerance ratio), gpu (compiled kernels, real block sizes, T up to 16k).
 """
 
+import importlib
 import os
 
 import pytest
@@ -30,6 +31,10 @@ settings.register_profile(
     derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
     print_blob=True)
 settings.load_profile(os.environ.get("UA_PROFILE", "ci"))
+
+# Modules that register extra cap methods (docs/ADDING_A_CAP_METHOD.md).
+for _module in filter(None, os.environ.get("UA_IMPORT", "").split(",")):
+  importlib.import_module(_module.strip())
 
 
 def pytest_addoption(parser):

@@ -87,20 +87,30 @@ def main(argv=None):
   parser.add_argument("--buckets", default="ci", choices=sorted(BUCKETS))
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default="calibration.json")
+  parser.add_argument("--summarize", nargs="+", default=None,
+                      help="only summarize these saved JSON files (merged) under the "
+                           "current ALPHA/FLOOR")
   args = parser.parse_args(argv)
-  impl = load_impl(args.impl)
-  records = collect(impl, args.cases, BUCKETS[args.buckets], args.seed,
-                    log=lambda m: print(m, flush=True))
+  if args.summarize:
+    records = []
+    for path in args.summarize:
+      with open(path) as f:
+        records += json.load(f)["records"]
+  else:
+    records = collect(load_impl(args.impl), args.cases, BUCKETS[args.buckets], args.seed,
+                      log=lambda m: print(m, flush=True))
   summary = summarize(records)
+  print(f"{len(records)} records")
   print(f"{'dtype/output':18} {'n':>5} {'p50':>7} {'p90':>7} {'p99':>7} {'max':>8} "
         f"{'alpha':>6} {'worst err/tol':>13}")
   for key, s in summary.items():
     print(f"{key:18} {s['n']:5d} {s['err_over_ref_p50']:7.2f} {s['err_over_ref_p90']:7.2f} "
           f"{s['err_over_ref_p99']:7.2f} {s['err_over_ref_max']:8.2f} {s['alpha']:6.1f} "
           f"{s['worst_err_over_tol']:13.3f}")
-  with open(args.out, "w") as f:
-    json.dump({"impl": args.impl, "cases": args.cases, "buckets": args.buckets,
-               "summary": summary, "records": records}, f)
+  if not args.summarize:
+    with open(args.out, "w") as f:
+      json.dump({"impl": args.impl, "cases": args.cases, "buckets": args.buckets,
+                 "seed": args.seed, "summary": summary, "records": records}, f)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _import_modules(names):
+  """--import: modules that register cap methods; also passed to pytest."""
+  import importlib
+  names = [n for n in (names or "").split(",") if n]
+  for name in names:
+    importlib.import_module(name)
+  if names:
+    os.environ["UA_IMPORT"] = ",".join(filter(None, [os.environ.get("UA_IMPORT"), *names]))
+
+
 def repro_main(argv=None) -> int:
   """ua-repro CASE.json [--impl module:function]: replays one saved case."""
   parser = argparse.ArgumentParser(prog="ua-repro", description=repro_main.__doc__)
   parser.add_argument("case_file")
   parser.add_argument("--impl", default=None,
                       help="implementation (default: the one recorded in the file)")
+  parser.add_argument("--import", dest="imports", default="",
+                      help="comma-separated modules that register cap methods")
   args = parser.parse_args(argv)
+  _import_modules(args.imports)
   from .case import load_case_file, versions
   from .checks import PROPERTIES, PropertyFailure
   from .impls import DEFAULT_IMPL, load_impl
@@ -78,7 +91,10 @@ def verify_main(argv=None) -> int:
   parser.add_argument("--report", default="ua-report.json", help="JSON report path")
   parser.add_argument("-n", "--workers", default="auto",
                       help="pytest-xdist workers ('0' for none)")
+  parser.add_argument("--import", dest="imports", default="",
+                      help="comma-separated modules that register cap methods")
   args = parser.parse_args(argv)
+  _import_modules(args.imports)
   import pytest
 
   from .case import versions
@@ -109,7 +125,10 @@ def fuzz_main(argv=None) -> int:
   parser.add_argument("--impl", default="ua_kernels:attention")
   parser.add_argument("--out", default="ua-failures", help="where failing cases go")
   parser.add_argument("--buckets", default="dev", choices=["ci", "dev", "gpu"])
+  parser.add_argument("--import", dest="imports", default="",
+                      help="comma-separated modules that register cap methods")
   args = parser.parse_args(argv)
+  _import_modules(args.imports)
   from hypothesis import HealthCheck, Phase, given, settings
   from hypothesis import strategies as st
   from hypothesis.database import DirectoryBasedExampleDatabase

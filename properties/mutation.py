@@ -41,9 +41,9 @@ TM, KE, AT, SS = ("ua_kernels/tile_math.py", "ua_kernels/kernels.py",
 MUTANTS = [
     # --- seed defects, re-introduced ---------------------------------------
     Mutant("S1", TM,
-           "  logits = spec.cap.forward(scaled, *spec.cap_params)\n",
-           "  if mask is not None:\n    scaled = jnp.where(mask, scaled, -jnp.inf)\n"
-           "    mask = None\n  logits = spec.cap.forward(scaled, *spec.cap_params)\n",
+           "    logits = spec.cap.forward(scaled, *spec.cap_params) * LOG2E\n",
+           "    if mask is not None:\n      scaled = jnp.where(mask, scaled, -jnp.inf)\n"
+           "      mask = None\n    logits = spec.cap.forward(scaled, *spec.cap_params) * LOG2E\n",
            "seed: mask applied before the cap (cap(-inf) is finite for tanh/hard)"),
     Mutant("S2", TM, "hi = jnp.minimum(_ceil_div(q_start + block_q, block_kv), hi)",
            "hi = jnp.minimum(_div(q_start, block_kv) + 1, hi)",
@@ -52,8 +52,8 @@ MUTANTS = [
            "lo = jnp.maximum(hi - (spec.window_len + block_q) // block_kv, 0)",
            "seed: window lower bound counted back from the upper bound (off by one; "
            "wrong without causal)"),
-    Mutant("S4", TM, "  return jnp.exp(logits - lse_safe[:, None])",
-           "  p = jnp.exp(logits - lse_safe[:, None])\n"
+    Mutant("S4", TM, "  return jnp.exp2(logits - lse2[:, None])",
+           "  p = jnp.exp2(logits - lse2[:, None])\n"
            "  return p / jnp.maximum(jnp.sum(p, axis=1, keepdims=True), 1e-30)",
            "seed: backward probabilities renormalised within each key block"),
     Mutant("S5", AT, "- dlse - spec.z_loss_weight * lse",
@@ -84,8 +84,9 @@ MUTANTS = [
            "num_blocks = spec.seq_len // block_kv", "tail key block dropped (floor)"),
     Mutant("M6", TM, "num_blocks = -(-spec.seq_len // block_q)",
            "num_blocks = max(spec.seq_len // block_q, 1)", "tail query block dropped in dk/dv"),
-    Mutant("M7", TM, "  logits = spec.cap.forward(scaled, *spec.cap_params)\n  if temp is not None:\n    logits = logits * temp[:, None]\n",
-           "  if temp is not None:\n    scaled = scaled * temp[:, None]\n  logits = spec.cap.forward(scaled, *spec.cap_params)\n",
+    Mutant("M7", TM, "    scaled = qk * spec.sm_scale\n    logits = spec.cap.forward(scaled, *spec.cap_params) * LOG2E\n",
+           "    scaled = qk * spec.sm_scale\n    if temp is not None:\n      scaled = scaled * temp[:, None]\n      temp = None\n"
+           "    logits = spec.cap.forward(scaled, *spec.cap_params) * LOG2E\n",
            "temperature applied before the cap"),
     Mutant("M8", TM, "  if temp is not None:\n    ds = ds * temp[:, None]\n", "",
            "temperature missing from the logits gradient"),
@@ -105,8 +106,8 @@ MUTANTS = [
     Mutant("M15", AT, "lambda i, bi, h: (bi, 0, h // group, 0))",
            "lambda i, bi, h: (bi, 0, h % spec.num_kv_heads, 0))",
            "GQA head mapping h % Hkv instead of h // G (forward)", occurrence=0),
-    Mutant("M16", SS, "self.m + jnp.log(l_safe)", "self.m + jnp.log2(l_safe)",
-           "lse in base 2"),
+    Mutant("M16", SS, "(self.m + jnp.log2(l_safe)) * LN2", "(self.m + jnp.log2(l_safe))",
+           "lse returned in base 2"),
     Mutant("M17", SS, "l_new = correction * self.l + jnp.sum(p, axis=1)",
            "l_new = self.l + jnp.sum(p, axis=1)", "online-softmax row sum not rescaled"),
     Mutant("M18", AT, "lambda i, bi, h: (bi, 0, h // group, 0))",
@@ -114,8 +115,9 @@ MUTANTS = [
            "GQA head mapping h % Hkv instead of h // G (dq kernel)", occurrence=1),
 ]
 
-TEST_ORDER = ["tests/test_regressions.py", "tests/test_kernels.py",
-              "tests/test_properties.py"]
+# The black-box suite (what runs against any --impl): saved regressions first,
+# then the properties. White-box kernel unit tests are left out on purpose.
+TEST_ORDER = ["tests/test_regressions.py", "tests/test_properties.py"]
 
 
 def apply(mutant: Mutant, root: Path) -> None:
@@ -134,7 +136,7 @@ def _copy_repo(dest: Path) -> None:
   shutil.copytree(REPO, dest, ignore=ignore, dirs_exist_ok=True)
 
 
-def run_mutant(mutant: Mutant, timeout: float) -> dict:
+def run_mutant(mutant: Mutant, timeout: float, save_cases: Path | None = None) -> dict:
   with tempfile.TemporaryDirectory(prefix=f"ua-mutant-{mutant.id}-") as tmp:
     root = Path(tmp)
     _copy_repo(root)
@@ -151,6 +153,10 @@ def run_mutant(mutant: Mutant, timeout: float) -> dict:
     except subprocess.TimeoutExpired as exc:
       output, code = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), None
     seconds = time.time() - start
+    saved = sorted((root / "ua-failures").glob("*.json"))
+    if save_cases and saved:
+      save_cases.mkdir(parents=True, exist_ok=True)
+      shutil.copy(saved[0], save_cases / f"mutant-{mutant.id}-{saved[0].name}")
   failed = re.findall(r"^FAILED (\S+)", output, re.M)
   if code is None:
     status = "timeout"
@@ -181,6 +187,8 @@ def main(argv=None) -> int:
   parser.add_argument("--key", default=None, help="rotation key (default: today's date)")
   parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant")
   parser.add_argument("--list", action="store_true")
+  parser.add_argument("--save-cases", type=Path, default=None,
+                      help="copy each mutant's first failing case file here")
   args = parser.parse_args(argv)
   mutants = MUTANTS
   if args.only:
@@ -196,7 +204,7 @@ def main(argv=None) -> int:
   print(f"{'mutant':6} {'status':9} {'seconds':>8}  killed by / description", flush=True)
   results = []
   for m in mutants:
-    r = run_mutant(m, args.timeout)
+    r = run_mutant(m, args.timeout, args.save_cases)
     results.append(r)
     print(f"{r['id']:6} {r['status']:9} {r['seconds']:8.1f}  {r['killed_by'] or '-'}  "
           f"({r['description']})", flush=True)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .tile_math import dot
+from .tile_math import LN2, dot
 
 
 class SoftmaxState(NamedTuple):
@@ -28,19 +28,20 @@ class SoftmaxState(NamedTuple):
                jnp.zeros((block_q, head_dim), jnp.float32))
 
   def update(self, logits: jax.Array, v: jax.Array) -> "SoftmaxState":
-    """Folds in one key tile: masked logits (-inf where hidden) and values."""
+    """Folds in one key tile: masked base-2 logits (-inf where hidden), values."""
     m_new = jnp.maximum(self.m, jnp.max(logits, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    correction = jnp.exp(self.m - m_safe)
-    p = jnp.exp(logits - m_safe[:, None])
+    correction = jnp.exp2(self.m - m_safe)
+    p = jnp.exp2(logits - m_safe[:, None])
     l_new = correction * self.l + jnp.sum(p, axis=1)
     acc = correction[:, None] * self.acc + dot(p.astype(v.dtype), v)
     return SoftmaxState(m_new, l_new, acc)
 
   def finalize(self) -> tuple[jax.Array, jax.Array]:
-    """Returns (out, lse); a row with no visible key gives (0, -inf)."""
+    """Returns (out, lse) with lse in natural log; a row with no visible key
+    gives (0, -inf)."""
     has_key = self.l > 0
     l_safe = jnp.where(has_key, self.l, 1.0)
     out = self.acc / l_safe[:, None]
-    lse = jnp.where(has_key, self.m + jnp.log(l_safe), -jnp.inf)
+    lse = jnp.where(has_key, (self.m + jnp.log2(l_safe)) * LN2, -jnp.inf)
     return out, lse

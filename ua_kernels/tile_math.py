@@ -7,11 +7,19 @@ and what they accumulate, so every masking or capping rule lives here once.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from .contract import StaticSpec
+
+# Logits are carried in base-2 units (x * log2 e) so the kernels use exp2,
+# which lowers to a cheaper GPU instruction sequence than exp; lse is
+# converted back to natural log on the way out.
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 def dot(a, b, *, trans_a=False, trans_b=False):
@@ -53,10 +61,16 @@ def visible_mask(spec: StaticSpec, q_pos, k_pos, q_seg, k_seg, *, padded: bool):
 
 
 def tile_logits(spec: StaticSpec, q, k, temp, mask):
-  """Returns (scaled, logits): scaled = sm_scale*q@k^T; logits capped,
-  temperature-scaled and masked (-inf where hidden) -- the contract's order."""
-  scaled = dot(q, k, trans_b=True) * spec.sm_scale
-  logits = spec.cap.forward(scaled, *spec.cap_params)
+  """Returns (scaled, logits2): scaled = sm_scale*q@k^T; logits2 = the contract's
+  logits (capped, temperature-scaled, in that order) in base-2 units, masked to
+  -inf where hidden. Without a cap the two scales fold into one multiply."""
+  qk = dot(q, k, trans_b=True)
+  if spec.cap_method == "none":
+    scaled = None
+    logits = qk * (spec.sm_scale * LOG2E)
+  else:
+    scaled = qk * spec.sm_scale
+    logits = spec.cap.forward(scaled, *spec.cap_params) * LOG2E
   if temp is not None:
     logits = logits * temp[:, None]
   if mask is not None:
@@ -65,9 +79,10 @@ def tile_logits(spec: StaticSpec, q, k, temp, mask):
 
 
 def probabilities(logits, lse):
-  """Softmax probabilities from the saved lse; rows with lse = -inf give 0."""
-  lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-  return jnp.exp(logits - lse_safe[:, None])
+  """Softmax probabilities from base-2 logits and the saved (natural) lse;
+  rows with lse = -inf give 0."""
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+  return jnp.exp2(logits - lse2[:, None])
 
 
 def logits_grad(spec: StaticSpec, p, dp, delta, scaled, temp):
