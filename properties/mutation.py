@@ -69,6 +69,10 @@ MUTANTS = [
     Mutant("S8", KE, "lax.fori_loop(0, spec.group_size, head, (zeros, zeros))",
            "lax.fori_loop(0, 1, head, (zeros, zeros))",
            "seed: dk/dv not summed over the GQA group (first query head only)"),
+    Mutant("S9", KE, "k = k_ref[pl.ds(k_start, block_kv), :]",
+           "k = k_ref[:, pl.ds(k_start, block_kv)]",
+           "seed: forward K tile sliced along the head dim instead of the sequence",
+           occurrence=0),
     # --- plausible kernel bugs ----------------------------------------------
     Mutant("M1", TM, "conditions.append(k_pos[None, :] <= q_pos[:, None])",
            "conditions.append(k_pos[None, :] < q_pos[:, None])", "causal diagonal hidden"),
@@ -113,6 +117,8 @@ MUTANTS = [
     Mutant("M18", AT, "lambda i, bi, h: (bi, 0, h // group, 0))",
            "lambda i, bi, h: (bi, 0, h % spec.num_kv_heads, 0))",
            "GQA head mapping h % Hkv instead of h // G (dq kernel)", occurrence=1),
+    Mutant("M19", SS, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
+           "no guard for rows whose keys in a tile are all hidden (NaN)"),
 ]
 
 # The black-box suite (what runs against any --impl): saved regressions first,

@@ -78,3 +78,25 @@ def test_output_dtypes_and_lse(dtype):
   grads = jax.grad(lambda q, k, v: jnp.sum(ua_kernels.attention(q, k, v, config=CFG)
                                            .astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
   assert [g.dtype for g in grads] == [dtype] * 3
+
+
+@pytest.mark.parametrize("t, bq, bkv", [(64, 16, 16), (64, 32, 16), (64, 16, 32), (128, 32, 16)])
+@pytest.mark.parametrize("causal, window", [(True, 0), (True, 5), (True, 40), (False, 9),
+                                            (False, 33), (True, 1)])
+def test_unmasked_tiles_are_fully_visible(t, bq, bkv, causal, window):
+  """Tiles the kernels run without a mask hold only visible pairs; the masked
+  rest of the loop plus them is exactly the visited range."""
+  from ua_kernels.tile_math import kv_tiles, q_tiles
+  spec = _spec(t, causal, window)
+  mask = np.asarray(visible_keys(t, None, causal, window))[0]
+  tile = lambda i, j: mask[i * bq:(i + 1) * bq, j * bkv:(j + 1) * bkv]
+  for i in range(t // bq):
+    lo, full_lo, full_hi, hi = (int(x) for x in kv_tiles(spec, jnp.int32(i * bq), bq, bkv, False))
+    assert lo <= full_lo <= full_hi <= hi
+    for j in range(full_lo, full_hi):
+      assert tile(i, j).all(), (i, j)
+  for j in range(t // bkv):
+    lo, full_lo, full_hi, hi = (int(x) for x in q_tiles(spec, jnp.int32(j * bkv), bq, bkv, False))
+    assert lo <= full_lo <= full_hi <= hi
+    for i in range(full_lo, full_hi):
+      assert tile(i, j).all(), (i, j)

@@ -13,8 +13,8 @@ from jax.experimental import pallas as pl
 
 from .contract import StaticSpec
 from .softmax_state import SoftmaxState
-from .tile_math import (dot, kv_block_range, logits_grad, positions,
-                        probabilities, q_block_range, tile_logits, visible_mask)
+from .tile_math import (dot, kv_tiles, logits_grad, positions, probabilities,
+                        q_tiles, tile_logits, tile_loop, visible_mask)
 
 
 def _segment_tile(seg_ref, start, size):
@@ -30,17 +30,17 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse_ref, *,
   q_seg = _segment_tile(seg_ref, q_start, block_q)
   temp = None if temp_ref is None else temp_ref[...]
 
-  def body(kv_block, state):
+  def body(kv_block, state, masked):
     k_start = kv_block * block_kv
     k = k_ref[pl.ds(k_start, block_kv), :]
     v = v_ref[pl.ds(k_start, block_kv), :]
     mask = visible_mask(spec, q_pos, positions(k_start, block_kv), q_seg,
-                        _segment_tile(seg_ref, k_start, block_kv), padded=padded)
+                        _segment_tile(seg_ref, k_start, block_kv), padded=padded) if masked else None
     _, logits = tile_logits(spec, q, k, temp, mask)
     return state.update(logits, v)
 
-  lo, hi = kv_block_range(spec, q_start, block_q, block_kv)
-  state = lax.fori_loop(lo, hi, body, SoftmaxState.init(block_q, q.shape[-1]))
+  tiles = kv_tiles(spec, q_start, block_q, block_kv, padded)
+  state = tile_loop(tiles, body, SoftmaxState.init(block_q, q.shape[-1]))
   out, lse = state.finalize()
   o_ref[...] = out.astype(o_ref.dtype)
   lse_ref[...] = lse
@@ -58,20 +58,20 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse_ref, delta_ref
   q_seg = _segment_tile(seg_ref, q_start, block_q)
   temp = None if temp_ref is None else temp_ref[...]
 
-  def body(kv_block, dq):
+  def body(kv_block, dq, masked):
     k_start = kv_block * block_kv
     k = k_ref[pl.ds(k_start, block_kv), :]
     v = v_ref[pl.ds(k_start, block_kv), :]
     mask = visible_mask(spec, q_pos, positions(k_start, block_kv), q_seg,
-                        _segment_tile(seg_ref, k_start, block_kv), padded=padded)
+                        _segment_tile(seg_ref, k_start, block_kv), padded=padded) if masked else None
     scaled, logits = tile_logits(spec, q, k, temp, mask)
     p = probabilities(logits, lse)
     dp = dot(do, v, trans_b=True)
     ds = logits_grad(spec, p, dp, delta, scaled, temp)
     return dq + dot(ds.astype(k.dtype), k)
 
-  lo, hi = kv_block_range(spec, q_start, block_q, block_kv)
-  dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+  tiles = kv_tiles(spec, q_start, block_q, block_kv, padded)
+  dq = tile_loop(tiles, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -88,10 +88,10 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse_ref, delta_re
   v = v_ref[...]
   k_pos = positions(k_start, block_kv)
   k_seg = _segment_tile(seg_ref, k_start, block_kv)
-  lo, hi = q_block_range(spec, k_start, block_q, block_kv)
+  tiles = q_tiles(spec, k_start, block_q, block_kv, padded)
 
   def head(g, carry):
-    def body(q_block, carry):
+    def body(q_block, carry, masked):
       dk, dv = carry
       q_start = q_block * block_q
       rows = pl.ds(q_start, block_q)
@@ -102,7 +102,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse_ref, delta_re
       temp = None if temp_ref is None else temp_ref[g, rows]
       mask = visible_mask(spec, positions(q_start, block_q), k_pos,
                           _segment_tile(seg_ref, q_start, block_q), k_seg,
-                          padded=padded)
+                          padded=padded) if masked else None
       scaled, logits = tile_logits(spec, q, k, temp, mask)
       p = probabilities(logits, lse)
       dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
@@ -111,7 +111,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse_ref, delta_re
       dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
       return dk, dv
 
-    return lax.fori_loop(lo, hi, body, carry)
+    return tile_loop(tiles, body, carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, spec.group_size, head, (zeros, zeros))

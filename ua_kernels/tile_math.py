@@ -131,3 +131,52 @@ def q_block_range(spec: StaticSpec, k_start, block_q, block_kv):
   if spec.window_len > 0:
     hi = jnp.minimum(_ceil_div(k_start + block_kv - 1 + spec.window_len, block_q), hi)
   return lo, hi
+
+
+def _split(spec: StaticSpec, padded: bool) -> bool:
+  """Tiles wholly inside the causal/window band need no mask, unless padding
+  or segment ids (data-dependent) require one everywhere."""
+  return (spec.causal or spec.window_len > 0) and not padded and not spec.has_segment_ids
+
+
+def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool):
+  """(lo, full_lo, full_hi, hi): the key tiles a query tile visits, and the
+  sub-range [full_lo, full_hi) whose every (query, key) pair is visible
+  (full_lo is None when the loop is not split)."""
+  lo, hi = kv_block_range(spec, q_start, block_q, block_kv)
+  if not _split(spec, padded):
+    return lo, None, None, hi
+  full_lo, full_hi = lo, hi
+  if spec.window_len > 0:  # first key of the tile within every query's window
+    full_lo = jnp.maximum(_ceil_div(jnp.maximum(q_start + block_q - spec.window_len, 0),
+                                    block_kv), lo)
+  if spec.causal:  # last key of the tile <= first query of the tile
+    full_hi = jnp.minimum(_div(q_start + 1, block_kv), hi)
+  full_lo = jnp.minimum(full_lo, hi)
+  return lo, full_lo, jnp.maximum(full_hi, full_lo), hi
+
+
+def q_tiles(spec: StaticSpec, k_start, block_q, block_kv, padded: bool):
+  """(lo, full_lo, full_hi, hi) of query tiles for a key tile; see kv_tiles."""
+  lo, hi = q_block_range(spec, k_start, block_q, block_kv)
+  if not _split(spec, padded):
+    return lo, None, None, hi
+  full_lo, full_hi = lo, hi
+  if spec.causal:  # first query of the tile >= last key of the tile
+    full_lo = jnp.maximum(_ceil_div(k_start + block_kv - 1, block_q), lo)
+  if spec.window_len > 0:  # last query of the tile within the first key's window
+    full_hi = jnp.minimum(_div(k_start + spec.window_len, block_q), hi)
+  full_lo = jnp.minimum(full_lo, hi)
+  return lo, full_lo, jnp.maximum(full_hi, full_lo), hi
+
+
+def tile_loop(tiles, body, carry):
+  """Runs ``body(tile, carry, masked)`` over the tiles; tiles in the fully
+  visible sub-range run with ``masked=False`` (no mask is built)."""
+  lo, full_lo, full_hi, hi = tiles
+  masked = lambda i, c: body(i, c, True)
+  if full_lo is None:
+    return lax.fori_loop(lo, hi, masked, carry)
+  carry = lax.fori_loop(lo, full_lo, masked, carry)
+  carry = lax.fori_loop(full_lo, full_hi, lambda i, c: body(i, c, False), carry)
+  return lax.fori_loop(full_hi, hi, masked, carry)
