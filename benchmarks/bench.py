@@ -109,6 +109,12 @@ CONFIGS = {
     # name: (B, T, Hq, Hkv, D, causal, window, tanh cap, doc_len)
     "quick": [(4, 4096, 16, 16, 128, False, 0, 0.0, 0), (4, 4096, 16, 16, 128, True, 0, 0.0, 0),
               (4, 4096, 16, 16, 128, False, 0, 30.0, 0), (4, 4096, 16, 16, 128, True, 0, 30.0, 0)],
+    # Our kernels only, beyond the peer table of "quick" (windows, packing, GQA, D, T).
+    "extra": [(1, 16384, 16, 16, 128, True, 0, 0.0, 0), (1, 16384, 16, 16, 128, True, 512, 0.0, 0),
+              (1, 16384, 16, 16, 128, True, 4096, 0.0, 0), (4, 4096, 16, 4, 128, True, 0, 0.0, 0),
+              (4, 4096, 16, 16, 128, True, 0, 0.0, 512), (4, 4096, 16, 16, 64, True, 0, 0.0, 0),
+              (2, 4096, 16, 16, 256, True, 0, 0.0, 0), (4, 1024, 16, 16, 128, False, 0, 0.0, 0),
+              (1, 32768, 16, 16, 128, True, 0, 0.0, 0)],
     "full": [(4, 4096, 16, 16, 128, False, 0, 0.0, 0), (4, 4096, 16, 16, 128, True, 0, 0.0, 0),
              (4, 4096, 16, 16, 128, False, 0, 30.0, 0), (4, 4096, 16, 16, 128, True, 0, 30.0, 0),
              (4, 4096, 16, 16, 64, True, 0, 0.0, 0), (2, 4096, 16, 16, 256, True, 0, 0.0, 0),
@@ -157,8 +163,10 @@ def main(argv=None):
       except Exception as exc:  # noqa: BLE001 -- a peer may not support the case
         rows.append({"config": label, "impl": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
         continue
+      stats = jax.devices()[0].memory_stats() or {}
       rows.append({"config": label, "impl": name, "fwd_ms": fwd_ms, "fwd_bwd_ms": bwd_ms,
-                   "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_tflops": 3.5 * flops / bwd_ms / 1e9})
+                   "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_tflops": 3.5 * flops / bwd_ms / 1e9,
+                   "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2 ** 30})
     if not args.no_peers and not window and not doc and hq == hkv:
       flex = torch_flex(b, t, hq, d, causal, cap, args.repeats)
       if flex:
@@ -166,13 +174,14 @@ def main(argv=None):
                      "fwd_ms": flex[0], "fwd_bwd_ms": flex[1], "fwd_tflops": flops / flex[0] / 1e9,
                      "fwd_bwd_tflops": 3.5 * flops / flex[1] / 1e9})
   print(" ".join(f"{k}={v}" for k, v in header.items()))
-  print(f"{'config':38} {'impl':20} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'f+b TF/s':>9}")
+  print(f"{'config':38} {'impl':20} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'f+b TF/s':>9} "
+        f"{'peak GiB':>8}")
   for r in rows:
     if "error" in r:
       print(f"{r['config']:38} {r['impl']:20} error: {r['error'][:60]}")
     else:
       print(f"{r['config']:38} {r['impl']:20} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
-            f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_tflops']:9.1f}")
+            f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_tflops']:9.1f} {r.get('peak_gib_so_far', 0):8.1f}")
   with open(args.json, "w") as f:
     json.dump({"header": header, "rows": rows}, f, indent=1)
 

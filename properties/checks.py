@@ -99,8 +99,8 @@ def packed_equals_separate(impl, case: Case):
           continue
         take = (lambda x: x[b:b + 1, :, start:stop]) if name == "lse" else \
                (lambda x: x[b:b + 1, start:stop])
-        errors.append(compare(f"{name}[b{b}:{start}:{stop}]", case.dtype, take(packed[name]),
-                              alone[name], *bounds[name], slack=2.0))
+        errors.append(compare(name, case.dtype, take(packed[name]), alone[name],
+                              *bounds[name], slack=2.0, label=f"{name}[b{b},{start}:{stop}]"))
   bad = [e for e in errors if not e.ok]
   if bad:
     raise PropertyFailure("a packed document differs from the same document alone", bad)

@@ -97,10 +97,10 @@ def reference_error(ref, oracle, term_scale: float = 0.0) -> tuple[float, float]
 
 
 def compare(name: str, dtype: str, impl, expected, ref_err: float, scale: float, *,
-            slack: float = 1.0) -> OutputError:
+            slack: float = 1.0, label: str | None = None) -> OutputError:
   """Scores one output against ``expected`` (the oracle, or for metamorphic
   properties another result of the same implementation, with ``slack`` 2 by
-  the triangle inequality)."""
+  the triangle inequality). ``label`` names a slice of the output in reports."""
   impl, expected = _as64(impl), _as64(expected)
   if impl.shape != expected.shape:
     raise AssertionError(f"{name}: shape {impl.shape} != expected {expected.shape}")
@@ -112,7 +112,7 @@ def compare(name: str, dtype: str, impl, expected, ref_err: float, scale: float,
                      + (~finite & ~np.isnan(impl) & (impl != expected)).sum())
   diff = np.where(finite & np.isfinite(impl), np.abs(impl - expected), 0.0)
   worst = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.size else ()
-  return OutputError(name, float(np.max(diff, initial=0.0)), ref_err,
+  return OutputError(label or name, float(np.max(diff, initial=0.0)), ref_err,
                      slack * tolerance(name, dtype, ref_err, scale), nan_count,
                      inf_mismatch, tuple(int(i) for i in worst))
 

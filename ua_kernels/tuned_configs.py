@@ -1,12 +1,16 @@
-"""Default KernelConfig per (head dim, masking), from benchmarks/tune.py.
+"""Default KernelConfig per (head dim, dtype, masking), from benchmarks/tune.py.
 
-Measured on one H200 (jax 0.11.2, triton 3.6, bf16, B=4 (2 for D=256), T=4096,
-H=16): benchmarks/results/tune-h200-2026-11-30.json. float16/float32 use the
-same tiles (float32 tiles are twice the bytes; D=256 float32 keeps the small
-D=256 tiles). On CPU the interpreter ignores warps and stages.
+16-bit tiles: measured on one H200 (jax 0.11.2, triton 3.6, bf16, B=4 (2 for
+D=256), T=4096, H=16): benchmarks/results/tune-h200-2026-11-30.json. float32
+tiles hold twice the bytes: for D > 64 they are halved so that they fit the
+H200's 227 KiB of shared memory per block (128x64 forward tiles at D=256 asked
+for 288 KiB; benchmarks/results/gpu-smoke-h200-2026-11-30-run1.log).
+The CPU interpreter ignores warps and stages.
 """
 
 from __future__ import annotations
+
+import jax.numpy as jnp
 
 from .contract import StaticSpec
 from .kernel_config import KernelConfig
@@ -16,7 +20,10 @@ _BWD_64 = dict(block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
 
 
 def default_config(spec: StaticSpec, dtype) -> KernelConfig:
-  del dtype
+  if jnp.dtype(dtype) == jnp.float32 and spec.head_dim > 64:
+    return KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2,
+                        block_q_dq=32, block_kv_dq=32, block_q_dkv=32, block_kv_dkv=32,
+                        num_warps_bwd=4, num_stages_bwd=1)
   if spec.head_dim > 128:
     return KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2,
                         block_q_dq=32, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=32,
