@@ -16,7 +16,7 @@ import hypothesis
 import numpy as np
 
 from .case import Case, save_case_file
-from .runner import baseline, evaluate, score
+from .runner import baseline, evaluate, evaluate_forward, score
 from .tolerance import OutputError, compare, error_table
 
 
@@ -42,8 +42,13 @@ def _replace(case: Case, **changes) -> Case:
 # Equivalence with the float64 oracle.
 
 def matches_oracle(impl, case: Case):
-  result = evaluate(impl, case)
-  return _require(score(case, result), "implementation differs from the float64 oracle")
+  """Outputs and gradients (through jax.vjp), and the outputs of a plain call,
+  within tolerance of the float64 oracle."""
+  errors = score(case, evaluate(impl, case))
+  plain = score(case, evaluate_forward(impl, case), outputs=("out", "lse"))
+  for e in plain:
+    e.name = f"{e.name} (plain call)"
+  return _require(errors + plain, "implementation differs from the float64 oracle")
 
 
 # --------------------------------------------------------------------------- #

@@ -70,6 +70,28 @@ def _compiled(impl, static_key, omit=()):
   return jax.jit(run)
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled_forward(impl, static_key):
+  kwargs = call_kwargs(Case(**dict(static_key)))
+
+  def run(q, k, v, segment_ids, temperature):
+    result = impl(q, k, v, segment_ids=segment_ids, temperature=temperature, **kwargs)
+    out, lse = result if kwargs["return_lse"] else (result, None)
+    return {"out": out, "lse": lse}
+
+  return jax.jit(run)
+
+
+def evaluate_forward(impl, case: Case, inputs: dict | None = None):
+  """Outputs of a plain call (no VJP traced), which a custom_vjp computes
+  through its primal function rather than its fwd rule."""
+  inputs = make_inputs(case) if inputs is None else inputs
+  args = [None if inputs[n] is None else jnp.asarray(inputs[n])
+          for n in ("q", "k", "v", "segment_ids", "temperature")]
+  result = _compiled_forward(impl, _static_key(case))(*args)
+  return {n: (None if x is None else np.asarray(x)) for n, x in result.items()}
+
+
 def evaluate(impl, case: Case, inputs: dict | None = None, *, float64: bool = False,
              omit: tuple[str, ...] = ()):
   """Outputs and q/k/v cotangents of ``impl`` on the case, as numpy arrays.

@@ -1,8 +1,8 @@
 """Public op: validation, padding, the three pallas_calls, and the custom VJP.
 
-The forward saves only O(T) residuals besides the inputs (out and lse); the
-backward folds the lse cotangent and the z-loss into delta, so the dq and dk/dv
-kernels need no extra inputs for them:
+The forward saves only O(T) residuals besides the inputs (out and the base-2
+lse2); the backward folds the lse cotangent and the z-loss into delta, so the
+dq and dk/dv kernels need no extra inputs for them:
   d logits = p * (dp - delta),  delta = rowsum(dO * O) - dlse - w * lse.
 """
 
@@ -18,6 +18,7 @@ from jax.experimental.pallas import triton as pltriton
 from . import kernels
 from .contract import StaticSpec, validate
 from .kernel_config import KernelConfig
+from .tile_math import LN2
 from .tuned_configs import default_config
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -83,7 +84,7 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
   whole_kv = pl.BlockSpec((None, seq_pad, None, head_dim),
                           lambda i, bi, h: (bi, 0, h // group, 0))
   row = pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i))
-  out, lse = pl.pallas_call(
+  out, lse2 = pl.pallas_call(
       kernel,
       grid=(seq_pad // bq, b, hq),
       in_specs=[tile, whole_kv, whole_kv,
@@ -96,20 +97,21 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
       interpret=_interpret(config),
       name="ua_forward",
   )(q, k, v, seg, temp)
-  return out[:, :t, :, :d], lse[:, :, :t]
+  return out[:, :t, :, :d], lse2[:, :, :t]
 
 
-def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, lse,
+def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, lse2,
               dout, dlse):
   b, t, hq, d = q.shape
   hkv, group = spec.num_kv_heads, spec.group_size
-  has_key = lse != -jnp.inf
+  has_key = lse2 != -jnp.inf
+  lse = lse2 * LN2
   delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
                      dout.astype(jnp.float32)) - dlse - spec.z_loss_weight * lse
   delta = jnp.where(has_key, delta, 0.0)
   q, k, v, seg, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg, temp)
   dout = _pad(dout, {1: seq_pad, 3: head_dim})
-  lse = _pad(lse, {2: seq_pad})
+  lse2 = _pad(lse2, {2: seq_pad})
   delta = _pad(delta, {2: seq_pad})
   padded = seq_pad != t
   seg_spec = lambda: None if seg is None else pl.BlockSpec((None, seq_pad), lambda i, bi, h: (bi, 0))
@@ -131,7 +133,7 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
       out_specs=tile,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="ua_backward_dq", **params,
-  )(q, k, v, seg, temp, dout, lse, delta)
+  )(q, k, v, seg, temp, dout, lse2, delta)
 
   # dk/dv: one program per (key tile, batch, kv head); loops over the group.
   bq, bkv = blocks["block_q_dkv"], blocks["block_kv_dkv"]
@@ -147,24 +149,25 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
       out_specs=[kv_tile, kv_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
       name="ua_backward_dkv", **params,
-  )(q, k, v, seg, temp, dout, lse, delta)
+  )(q, k, v, seg, temp, dout, lse2, delta)
   return dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :d]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(spec, config, q, k, v, seg, temp):
-  return _forward(spec, config, q, k, v, seg, temp)
+  out, lse2 = _forward(spec, config, q, k, v, seg, temp)
+  return out, lse2 * LN2
 
 
 def _attention_fwd(spec, config, q, k, v, seg, temp):
-  out, lse = _forward(spec, config, q, k, v, seg, temp)
-  return (out, lse), (q, k, v, seg, temp, out, lse)
+  out, lse2 = _forward(spec, config, q, k, v, seg, temp)
+  return (out, lse2 * LN2), (q, k, v, seg, temp, out, lse2)
 
 
 def _attention_bwd(spec, config, residuals, cotangents):
-  q, k, v, seg, temp, out, lse = residuals
+  q, k, v, seg, temp, out, lse2 = residuals
   dout, dlse = cotangents
-  dq, dk, dv = _backward(spec, config, q, k, v, seg, temp, out, lse, dout, dlse)
+  dq, dk, dv = _backward(spec, config, q, k, v, seg, temp, out, lse2, dout, dlse)
   # segment_ids and temperature receive no gradient (docs/SEMANTICS.md).
   return dq, dk, dv, None, None
 

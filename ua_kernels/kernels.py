@@ -21,9 +21,9 @@ def _segment_tile(seg_ref, start, size):
   return None if seg_ref is None else seg_ref[pl.ds(start, size)]
 
 
-def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse_ref, *,
+def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse2_ref, *,
                    spec: StaticSpec, block_q: int, block_kv: int, padded: bool):
-  """One query tile of one head: o = softmax(logits) @ v, lse per row."""
+  """One query tile of one head: o = softmax(logits) @ v, base-2 lse per row."""
   q_start = pl.program_id(0) * block_q
   q = q_ref[...]
   q_pos = positions(q_start, block_q)
@@ -41,18 +41,18 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse_ref, *,
 
   tiles = kv_tiles(spec, q_start, block_q, block_kv, padded)
   state = tile_loop(tiles, body, SoftmaxState.init(block_q, q.shape[-1]))
-  out, lse = state.finalize()
+  out, lse2 = state.finalize()
   o_ref[...] = out.astype(o_ref.dtype)
-  lse_ref[...] = lse
+  lse2_ref[...] = lse2
 
 
-def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse_ref, delta_ref,
+def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_ref,
               dq_ref, *, spec: StaticSpec, block_q: int, block_kv: int, padded: bool):
   """dq of one query tile of one head, streaming key tiles."""
   q_start = pl.program_id(0) * block_q
   q = q_ref[...]
   do = do_ref[...]
-  lse = lse_ref[...]
+  lse2 = lse2_ref[...]
   delta = delta_ref[...]
   q_pos = positions(q_start, block_q)
   q_seg = _segment_tile(seg_ref, q_start, block_q)
@@ -65,7 +65,7 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse_ref, delta_ref
     mask = visible_mask(spec, q_pos, positions(k_start, block_kv), q_seg,
                         _segment_tile(seg_ref, k_start, block_kv), padded=padded) if masked else None
     scaled, logits = tile_logits(spec, q, k, temp, mask)
-    p = probabilities(logits, lse)
+    p = probabilities(logits, lse2)
     dp = dot(do, v, trans_b=True)
     ds = logits_grad(spec, p, dp, delta, scaled, temp)
     return dq + dot(ds.astype(k.dtype), k)
@@ -75,12 +75,12 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse_ref, delta_ref
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse_ref, delta_ref,
+def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_ref,
                dk_ref, dv_ref, *, spec: StaticSpec, block_q: int, block_kv: int,
                padded: bool):
   """dk, dv of one key tile of one kv head, summed over its query-head group.
 
-  q/do refs hold the G query heads of the group ([T, G, D]); lse/delta/temp
+  q/do refs hold the G query heads of the group ([T, G, D]); lse2/delta/temp
   refs [G, T]. The group sum happens in registers, no repeated K/V.
   """
   k_start = pl.program_id(0) * block_kv
@@ -97,14 +97,14 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse_ref, delta_re
       rows = pl.ds(q_start, block_q)
       q = q_ref[rows, g, :]
       do = do_ref[rows, g, :]
-      lse = lse_ref[g, rows]
+      lse2 = lse2_ref[g, rows]
       delta = delta_ref[g, rows]
       temp = None if temp_ref is None else temp_ref[g, rows]
       mask = visible_mask(spec, positions(q_start, block_q), k_pos,
                           _segment_tile(seg_ref, q_start, block_q), k_seg,
                           padded=padded) if masked else None
       scaled, logits = tile_logits(spec, q, k, temp, mask)
-      p = probabilities(logits, lse)
+      p = probabilities(logits, lse2)
       dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
       dp = dot(do, v, trans_b=True)
       ds = logits_grad(spec, p, dp, delta, scaled, temp)

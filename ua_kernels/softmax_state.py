@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .tile_math import LN2, dot
+from .tile_math import dot
 
 
 class SoftmaxState(NamedTuple):
@@ -38,10 +38,10 @@ class SoftmaxState(NamedTuple):
     return SoftmaxState(m_new, l_new, acc)
 
   def finalize(self) -> tuple[jax.Array, jax.Array]:
-    """Returns (out, lse) with lse in natural log; a row with no visible key
-    gives (0, -inf)."""
+    """Returns (out, lse2), lse2 the log-sum-exp in base 2 (what the backward
+    needs, without a second rounding); a row with no visible key gives (0, -inf)."""
     has_key = self.l > 0
     l_safe = jnp.where(has_key, self.l, 1.0)
     out = self.acc / l_safe[:, None]
-    lse = jnp.where(has_key, (self.m + jnp.log2(l_safe)) * LN2, -jnp.inf)
-    return out, lse
+    lse2 = jnp.where(has_key, self.m + jnp.log2(l_safe), -jnp.inf)
+    return out, lse2

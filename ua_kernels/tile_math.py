@@ -16,8 +16,8 @@ from jax import lax
 from .contract import StaticSpec
 
 # Logits are carried in base-2 units (x * log2 e) so the kernels use exp2,
-# which lowers to a cheaper GPU instruction sequence than exp; lse is
-# converted back to natural log on the way out.
+# which lowers to a cheaper GPU instruction sequence than exp. The kernels
+# keep lse in base 2 too (lse2); the wrapper converts it for the caller once.
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -78,10 +78,10 @@ def tile_logits(spec: StaticSpec, q, k, temp, mask):
   return scaled, logits
 
 
-def probabilities(logits, lse):
-  """Softmax probabilities from base-2 logits and the saved (natural) lse;
-  rows with lse = -inf give 0."""
-  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+def probabilities(logits, lse2):
+  """Softmax probabilities from base-2 logits and the forward's base-2 lse;
+  rows with lse2 = -inf give 0."""
+  lse2 = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)
   return jnp.exp2(logits - lse2[:, None])
 
 

@@ -2,10 +2,11 @@
 
 16-bit tiles: measured on one H200 (jax 0.11.2, triton 3.6, bf16, B=4 (2 for
 D=256), T=4096, H=16): benchmarks/results/tune-h200-2026-11-30.json. float32
-tiles hold twice the bytes: for D > 64 they are halved so that they fit the
-H200's 227 KiB of shared memory per block (128x64 forward tiles at D=256 asked
-for 288 KiB; benchmarks/results/gpu-smoke-h200-2026-11-30-run1.log).
-The CPU interpreter ignores warps and stages.
+tiles hold twice the bytes, so for D > 64 float32 keeps the untuned tiles that
+fit the H200's 227 KiB of shared memory per block and ran there
+(benchmarks/results/gpu-smoke-h200-2026-11-30-run1.log: D=256 at 64x32); the
+16-bit D=256 tiles asked for 288 KiB in float32 (run 2's log). float32 is
+correctness-first here, not tuned. The CPU interpreter ignores warps and stages.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ _BWD_64 = dict(block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
 
 
 def default_config(spec: StaticSpec, dtype) -> KernelConfig:
+  if jnp.dtype(dtype) == jnp.float32 and spec.head_dim > 128:
+    return KernelConfig(block_q=64, block_kv=32, block_q_dq=32, block_kv_dq=32,
+                        block_q_dkv=32, block_kv_dkv=32)
   if jnp.dtype(dtype) == jnp.float32 and spec.head_dim > 64:
-    return KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2,
-                        block_q_dq=32, block_kv_dq=32, block_q_dkv=32, block_kv_dkv=32,
-                        num_warps_bwd=4, num_stages_bwd=1)
+    return KernelConfig()
   if spec.head_dim > 128:
     return KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2,
                         block_q_dq=32, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=32,
