@@ -19,7 +19,7 @@ from ua_kernels.cap_functions import CAP_METHODS
 
 # property: (examples in ci, required features, forbidden features)
 PLAN = {
-    "matches_oracle": (40, (), ()),
+    "matches_oracle": (42, (), ()),     # split into three dtype tests below
     "key_permutation_invariance": (4, (), ("causal", "window", "segment_ids")),
     "packed_equals_separate": (4, ("segment_ids",), ()),
     "hidden_keys_do_not_leak": (5, (), ()),
@@ -38,19 +38,19 @@ def _examples(n):
   return settings(max_examples=max(1, round(n * factor)))
 
 
-def _draw_case(data, impl, buckets, require, forbid):
+def _draw_case(data, impl, buckets, require, forbid, dtypes=None):
   missing = set(require) & unsupported_of(impl)
   if missing:
     pytest.skip(f"implementation declares {sorted(missing)} unsupported")
   return data.draw(cases(buckets, unsupported_of(impl), frozenset(require),
-                         frozenset(forbid)), label="case")
+                         frozenset(forbid), dtypes=dtypes), label="case")
 
 
-def _make_test(prop, n, require, forbid):
+def _make_test(prop, n, require, forbid, dtypes=None):
   @_examples(n)
   @given(data=st.data())
   def test(data, impl, impl_name, buckets):
-    case = _draw_case(data, impl, buckets, require, forbid)
+    case = _draw_case(data, impl, buckets, require, forbid, dtypes)
     if prop == "hidden_keys_do_not_leak" and not (
         case.causal or case.window_len or case.segments != "none"):
       if "causal" in unsupported_of(impl):
@@ -64,7 +64,12 @@ def _make_test(prop, n, require, forbid):
 
 
 for _prop, (_n, _require, _forbid) in PLAN.items():
-  globals()[f"test_{_prop}"] = _make_test(_prop, _n, _require, _forbid)
+  if _prop == "matches_oracle":  # one test per dtype, so pytest-xdist can spread them
+    for _dtype in ("float32", "bfloat16", "float16"):
+      globals()[f"test_{_prop}_{_dtype}"] = _make_test(_prop, _n // 3 + 1, _require, _forbid,
+                                                       (_dtype,))
+  else:
+    globals()[f"test_{_prop}"] = _make_test(_prop, _n, _require, _forbid)
 
 
 @_examples(6)

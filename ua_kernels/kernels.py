@@ -7,6 +7,9 @@ ranges of tile_math, so causal/window-hidden tiles are never visited.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -21,26 +24,50 @@ def _segment_tile(seg_ref, start, size):
   return None if seg_ref is None else seg_ref[pl.ds(start, size)]
 
 
+class _QueryTile(NamedTuple):
+  """The query tile a forward or dq program owns, loaded once."""
+
+  start: jax.Array
+  q: jax.Array
+  pos: jax.Array
+  seg: jax.Array | None
+  temp: jax.Array | None
+
+
+def _query_tile(q_ref, seg_ref, temp_ref, block_q) -> _QueryTile:
+  start = pl.program_id(0) * block_q
+  return _QueryTile(start, q_ref[...], positions(start, block_q),
+                    _segment_tile(seg_ref, start, block_q),
+                    None if temp_ref is None else temp_ref[...])
+
+
+def _key_tile(spec, qt: _QueryTile, k_ref, v_ref, seg_ref, kv_block, block_kv, padded,
+              masked):
+  """Loads key tile ``kv_block`` and scores it against the query tile:
+  (k, v, scaled, logits), the mask built only when ``masked``."""
+  k_start = kv_block * block_kv
+  k = k_ref[pl.ds(k_start, block_kv), :]
+  v = v_ref[pl.ds(k_start, block_kv), :]
+  mask = None
+  if masked:
+    mask = visible_mask(spec, qt.pos, positions(k_start, block_kv), qt.seg,
+                        _segment_tile(seg_ref, k_start, block_kv), padded=padded)
+  scaled, logits = tile_logits(spec, qt.q, k, qt.temp, mask)
+  return k, v, scaled, logits
+
+
 def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse2_ref, *,
                    spec: StaticSpec, block_q: int, block_kv: int, padded: bool):
   """One query tile of one head: o = softmax(logits) @ v, base-2 lse per row."""
-  q_start = pl.program_id(0) * block_q
-  q = q_ref[...]
-  q_pos = positions(q_start, block_q)
-  q_seg = _segment_tile(seg_ref, q_start, block_q)
-  temp = None if temp_ref is None else temp_ref[...]
+  qt = _query_tile(q_ref, seg_ref, temp_ref, block_q)
 
   def body(kv_block, state, masked):
-    k_start = kv_block * block_kv
-    k = k_ref[pl.ds(k_start, block_kv), :]
-    v = v_ref[pl.ds(k_start, block_kv), :]
-    mask = visible_mask(spec, q_pos, positions(k_start, block_kv), q_seg,
-                        _segment_tile(seg_ref, k_start, block_kv), padded=padded) if masked else None
-    _, logits = tile_logits(spec, q, k, temp, mask)
+    _, v, _, logits = _key_tile(spec, qt, k_ref, v_ref, seg_ref, kv_block, block_kv,
+                                padded, masked)
     return state.update(logits, v)
 
-  tiles = kv_tiles(spec, q_start, block_q, block_kv, padded)
-  state = tile_loop(tiles, body, SoftmaxState.init(block_q, q.shape[-1]))
+  tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded)
+  state = tile_loop(tiles, body, SoftmaxState.init(block_q, qt.q.shape[-1]))
   out, lse2 = state.finalize()
   o_ref[...] = out.astype(o_ref.dtype)
   lse2_ref[...] = lse2
@@ -49,29 +76,21 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse2_ref, *,
 def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_ref,
               dq_ref, *, spec: StaticSpec, block_q: int, block_kv: int, padded: bool):
   """dq of one query tile of one head, streaming key tiles."""
-  q_start = pl.program_id(0) * block_q
-  q = q_ref[...]
+  qt = _query_tile(q_ref, seg_ref, temp_ref, block_q)
   do = do_ref[...]
   lse2 = lse2_ref[...]
   delta = delta_ref[...]
-  q_pos = positions(q_start, block_q)
-  q_seg = _segment_tile(seg_ref, q_start, block_q)
-  temp = None if temp_ref is None else temp_ref[...]
 
   def body(kv_block, dq, masked):
-    k_start = kv_block * block_kv
-    k = k_ref[pl.ds(k_start, block_kv), :]
-    v = v_ref[pl.ds(k_start, block_kv), :]
-    mask = visible_mask(spec, q_pos, positions(k_start, block_kv), q_seg,
-                        _segment_tile(seg_ref, k_start, block_kv), padded=padded) if masked else None
-    scaled, logits = tile_logits(spec, q, k, temp, mask)
+    k, v, scaled, logits = _key_tile(spec, qt, k_ref, v_ref, seg_ref, kv_block, block_kv,
+                                     padded, masked)
     p = probabilities(logits, lse2)
     dp = dot(do, v, trans_b=True)
-    ds = logits_grad(spec, p, dp, delta, scaled, temp)
+    ds = logits_grad(spec, p, dp, delta, scaled, qt.temp)
     return dq + dot(ds.astype(k.dtype), k)
 
-  tiles = kv_tiles(spec, q_start, block_q, block_kv, padded)
-  dq = tile_loop(tiles, body, jnp.zeros(q.shape, jnp.float32))
+  tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded)
+  dq = tile_loop(tiles, body, jnp.zeros(qt.q.shape, jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -100,9 +119,10 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_r
       lse2 = lse2_ref[g, rows]
       delta = delta_ref[g, rows]
       temp = None if temp_ref is None else temp_ref[g, rows]
-      mask = visible_mask(spec, positions(q_start, block_q), k_pos,
-                          _segment_tile(seg_ref, q_start, block_q), k_seg,
-                          padded=padded) if masked else None
+      mask = None
+      if masked:
+        mask = visible_mask(spec, positions(q_start, block_q), k_pos,
+                            _segment_tile(seg_ref, q_start, block_q), k_seg, padded=padded)
       scaled, logits = tile_logits(spec, q, k, temp, mask)
       p = probabilities(logits, lse2)
       dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
