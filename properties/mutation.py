@@ -139,7 +139,7 @@ def apply(mutant: Mutant, root: Path) -> None:
 
 def _copy_repo(dest: Path) -> None:
   ignore = shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", "ua-failures", "*.egg-info",
-                                  ".venv", "benchmarks")
+                                  ".venv*", "benchmarks", "docs", "ua-report*")
   shutil.copytree(REPO, dest, ignore=ignore, dirs_exist_ok=True)
 
 
