@@ -104,8 +104,8 @@ def packed_equals_separate(impl, case: Case):
           continue
         take = (lambda x: x[b:b + 1, :, start:stop]) if name == "lse" else \
                (lambda x: x[b:b + 1, start:stop])
-        errors.append(compare(name, case.dtype, take(packed[name]), alone[name],
-                              *bounds[name], slack=2.0, label=f"{name}[b{b},{start}:{stop}]"))
+        errors.append(compare(name, take(packed[name]), alone[name], *bounds[name],
+                              slack=2.0, label=f"{name}[b{b},{start}:{stop}]"))
   bad = [e for e in errors if not e.ok]
   if bad:
     raise PropertyFailure("a packed document differs from the same document alone", bad)
@@ -158,7 +158,7 @@ def hidden_keys_do_not_leak(impl, case: Case):
       continue
     mask = rows if name != "lse" else rows[:, None, :]
     sel = lambda x: np.where(np.broadcast_to(mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x.shape), x, 0)
-    errors.append(compare(name, case.dtype, sel(dirty[name]), sel(clean[name]), 0.0, 0.0))
+    errors.append(compare(name, sel(dirty[name]), sel(clean[name]), 0.0, 0.0))
   bad = [e for e in errors if not e.ok]
   if bad:
     raise PropertyFailure("poisoned hidden keys changed rows that cannot see them", bad)

@@ -44,10 +44,14 @@ def jax_nn_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
   t = q.shape[1]
   # Contract window: key j visible iff j > i - window_len (left side only).
   local = (window_len - 1, t) if window_len > 0 else None
+  dtype = q.dtype
+  if dtype == jnp.float16 and jax.default_backend() == "cpu":
+    # XLA:CPU has no float16 x float16 -> float32 dot for the backward pass.
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   out = jax.nn.dot_product_attention(
       q, k, v, scale=sm_scale, is_causal=causal, local_window_size=local,
       implementation="xla")
-  return out.astype(q.dtype)
+  return out.astype(dtype)
 
 
 jax_nn_attention.ua_unsupported = {"segment_ids", "cap", "temperature", "z_loss", "lse"}

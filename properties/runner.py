@@ -19,7 +19,7 @@ from ua_kernels import KernelConfig
 
 from .case import Case
 from .inputs import make_inputs
-from .tolerance import OUTPUTS, OutputError, compare, reference_error, term_scales
+from .tolerance import OUTPUTS, OutputError, compare, floors, reference_error
 
 
 @contextlib.contextmanager
@@ -82,11 +82,12 @@ def _compiled_forward(impl, static_key):
   return jax.jit(run)
 
 
-def evaluate_forward(impl, case: Case, inputs: dict | None = None):
+def evaluate_forward(impl, case: Case, inputs: dict | None = None, *, float64: bool = False):
   """Outputs of a plain call (no VJP traced), which a custom_vjp computes
   through its primal function rather than its fwd rule."""
   inputs = make_inputs(case) if inputs is None else inputs
-  args = [None if inputs[n] is None else jnp.asarray(inputs[n])
+  as_float = lambda x: np.asarray(x, np.float64) if float64 else x
+  args = [None if inputs[n] is None else jnp.asarray(as_float(inputs[n]) if n in "qkv" else inputs[n])
           for n in ("q", "k", "v", "segment_ids", "temperature")]
   result = _compiled_forward(impl, _static_key(case))(*args)
   return {n: (None if x is None else np.asarray(x)) for n, x in result.items()}
@@ -113,13 +114,15 @@ def evaluate(impl, case: Case, inputs: dict | None = None, *, float64: bool = Fa
 
 @functools.lru_cache(maxsize=64)
 def baseline(case: Case):
-  """Oracle results, and per output the reference's error and floor scale."""
+  """Oracle results, and per output (the reference's error, the floor)."""
   inputs = make_inputs(case)
   with x64(True):
     oracle = evaluate(ua_reference.attention, case, inputs, float64=True)
     ref = evaluate(ua_reference.attention, case, inputs)
-  terms = term_scales(case, inputs, oracle)
-  bounds = {name: reference_error(ref[name], oracle[name], terms[name])
+    lse = evaluate_forward(ua_reference.attention, dataclasses.replace(case, return_lse=True),
+                           inputs, float64=True)["lse"]
+  floor = floors(case, inputs, oracle, float(np.max(np.abs(lse[np.isfinite(lse)]), initial=0.0)))
+  bounds = {name: (reference_error(ref[name], oracle[name]), floor[name])
             for name in OUTPUTS if oracle.get(name) is not None}
   return oracle, bounds
 
@@ -137,7 +140,6 @@ def score(case: Case, result: dict, *, slack: float = 1.0, expected: dict | None
   for name in outputs:
     if result.get(name) is None or expected.get(name) is None or name not in bounds:
       continue
-    ref_err, scale = bounds[name]
-    errors.append(compare(name, case.dtype, result[name], expected[name], ref_err,
-                          scale, slack=slack))
+    ref_err, floor = bounds[name]
+    errors.append(compare(name, result[name], expected[name], ref_err, floor, slack=slack))
   return errors
