@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 OUTPUTS = ("out", "lse", "dq", "dk", "dv")
@@ -114,21 +115,28 @@ def compare(name: str, impl, expected, ref_err: float, floor: float, *,
             slack: float = 1.0, label: str | None = None) -> OutputError:
   """Scores one output against ``expected`` (the oracle, or for metamorphic
   properties another result of the same implementation, with ``slack`` 2 by
-  the triangle inequality). ``label`` names a slice of the output in reports."""
+  the triangle inequality). ``label`` names a slice of the output in reports.
+
+  A value beyond the output dtype's range rounds to inf: there, inf of the
+  right sign is the correct answer (16-bit gradients overflow legitimately).
+  """
+  limit = float(jnp.finfo(np.asarray(impl).dtype).max)
   impl, expected = _as64(impl), _as64(expected)
   if impl.shape != expected.shape:
     raise AssertionError(f"{name}: shape {impl.shape} != expected {expected.shape}")
+  tol = slack * tolerance(name, ref_err, floor)
   finite = np.isfinite(expected)
+  overflow = finite & (np.abs(expected) + tol >= limit) & np.isinf(impl) & \
+      (np.sign(impl) == np.sign(expected))
   nan_count = int(np.isnan(impl).sum())
-  # Non-finite where a finite value is expected, or not exactly the expected
-  # -inf (lse of a row with no visible key).
-  inf_mismatch = int((np.isinf(impl) & finite).sum()
+  # Non-finite where a finite value is expected (and not a correct overflow),
+  # or not exactly the expected -inf (lse of a row with no visible key).
+  inf_mismatch = int((np.isinf(impl) & finite & ~overflow).sum()
                      + (~finite & ~np.isnan(impl) & (impl != expected)).sum())
   diff = np.where(finite & np.isfinite(impl), np.abs(impl - expected), 0.0)
   worst = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.size else ()
-  return OutputError(label or name, float(np.max(diff, initial=0.0)), ref_err,
-                     slack * tolerance(name, ref_err, floor), nan_count,
-                     inf_mismatch, tuple(int(i) for i in worst))
+  return OutputError(label or name, float(np.max(diff, initial=0.0)), ref_err, tol,
+                     nan_count, inf_mismatch, tuple(int(i) for i in worst))
 
 
 def error_table(errors: list[OutputError]) -> str:

@@ -57,3 +57,14 @@ def test_jax_nn_adapter_passes_on_what_it_supports():
   case = dataclasses.replace(BASE, cap_method="none", cap_params=(), return_lse=False,
                              window_len=5)
   matches_oracle(jax_nn_attention, case)
+
+
+def test_overflow_to_inf_of_the_right_sign_is_accepted():
+  from properties.tolerance import compare
+  f16 = np.array([np.inf, -np.inf, 1.0], np.float16)
+  ok = compare("dq", f16, np.array([7e4, -9e4, 1.0]), 0.0, 1e-3)
+  assert ok.ok, ok
+  wrong_sign = compare("dq", f16, np.array([-7e4, -9e4, 1.0]), 0.0, 1e-3)
+  assert not wrong_sign.ok
+  in_range = compare("dq", f16, np.array([6e4, -9e4, 1.0]), 0.0, 1e-3)
+  assert not in_range.ok
