@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import time
 
@@ -107,11 +108,12 @@ def main(argv=None):
   if args.summarize:
     records = []
     for path in args.summarize:
-      with open(path) as f:
+      opener = gzip.open if path.endswith(".gz") else open
+      with opener(path, "rt") as f:
         payload = json.load(f)
       if any("floor" not in r for r in payload["records"]):
         add_floors(payload["records"])
-        with open(path, "w") as f:
+        with opener(path, "wt") as f:
           json.dump(payload, f)
       records += payload["records"]
   else:
