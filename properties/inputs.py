@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -78,9 +77,3 @@ def logit_scale(case: Case) -> float:
   sm = case.sm_scale if case.sm_scale is not None else 1.0 / math.sqrt(case.head_dim)
   spread = {"normal": 1.0, "large": 8.0, "ties": 1.0}[case.distribution]
   return sm * spread * math.sqrt(case.head_dim)
-
-
-def to_jnp(x, dtype=None):
-  if x is None:
-    return None
-  return jnp.asarray(x if dtype is None else np.asarray(x).astype(dtype))

@@ -37,7 +37,6 @@ class StaticSpec:
   sm_scale: float
   z_loss_weight: float
   has_segment_ids: bool
-  has_temperature: bool
 
   @property
   def group_size(self) -> int:
@@ -157,6 +156,5 @@ def validate(q, k, v, *, segment_ids=None, causal=False, window_len=0,
       batch=b, seq_len=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
       causal=causal, window_len=window_len, cap_method=method.name,
       cap_params=params, sm_scale=sm_scale, z_loss_weight=z_loss_weight,
-      has_segment_ids=segment_ids is not None,
-      has_temperature=temperature is not None)
+      has_segment_ids=segment_ids is not None)
   return spec, segment_ids, temperature

@@ -49,8 +49,3 @@ class KernelConfig:
     if self.interpret is not None and not isinstance(self.interpret, bool):
       raise TypeError(
           f"KernelConfig.interpret must be a bool or None, got {self.interpret!r}")
-
-  @property
-  def max_block(self) -> int:
-    return max(self.block_q, self.block_kv, self.block_q_dq, self.block_kv_dq,
-               self.block_q_dkv, self.block_kv_dkv)
