@@ -264,9 +264,11 @@ def run_property(prop: str, impl, impl_name: str, case: Case):
     path = os.path.join(FAILURE_DIR, f"{prop}-{case.digest()}.json")
     save_case_file(path, case, prop, impl_name, [e.to_dict() for e in errors],
                    f"{type(exc).__name__}: {exc}")
+    imports = os.environ.get("UA_IMPORT")
+    replay = f"ua-repro {path} --impl {impl_name}" + (f" --import {imports}" if imports else "")
     raise AssertionError(
         f"{prop} failed for {impl_name} on {case}\n{type(exc).__name__}: {exc}\n"
-        f"replay: ua-repro {path} --impl {impl_name}") from exc
+        f"replay: {replay}") from exc
   ratio = max((e.ratio for e in errors), default=0.0)
   if hypothesis.currently_in_test_context() and np.isfinite(ratio):
     hypothesis.target(float(ratio), label="error/tolerance")
