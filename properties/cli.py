@@ -51,6 +51,9 @@ def repro_main(argv=None) -> int:
   except PropertyFailure as exc:
     print(f"FAIL\n{exc}")
     return 1
+  except Exception as exc:  # noqa: BLE001 -- the implementation itself raised
+    print(f"FAIL: the implementation raised {type(exc).__name__}: {exc}")
+    return 1
   print(error_table(errors) if errors else "(no numeric outputs)")
   print("PASS")
   return 0

@@ -45,8 +45,8 @@ def jax_nn_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
   # Contract window: key j visible iff j > i - window_len (left side only).
   local = (window_len - 1, t) if window_len > 0 else None
   dtype = q.dtype
-  if dtype == jnp.float16 and jax.default_backend() == "cpu":
-    # XLA:CPU has no float16 x float16 -> float32 dot for the backward pass.
+  if dtype in (jnp.float16, jnp.bfloat16) and jax.default_backend() == "cpu":
+    # XLA:CPU has no 16-bit x 16-bit -> float32 dot algorithm for this op.
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   out = jax.nn.dot_product_attention(
       q, k, v, scale=sm_scale, is_causal=causal, local_window_size=local,
