@@ -12,7 +12,6 @@ import argparse
 import datetime
 import functools
 import json
-import math
 import platform
 import statistics
 import time

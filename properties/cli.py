@@ -7,7 +7,6 @@ import collections
 import glob
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from properties.case import Case
-from properties.checks import PropertyFailure, matches_oracle
+from properties.checks import matches_oracle
 from properties.impls import jax_nn_attention, reference_impl
-from properties.runner import baseline, evaluate, score
+from properties.runner import baseline, score
 
 BASE = Case(batch=2, seq_len=33, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype="float32",
             causal=True, cap_method="tanh", cap_params=(3.0,), return_lse=True,
