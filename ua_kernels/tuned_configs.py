@@ -4,8 +4,9 @@
 D=256), T=4096, H=16): benchmarks/results/tune-h200-2026-11-30.json. float32
 tiles hold twice the bytes, so for D > 64 float32 keeps the untuned tiles that
 fit the H200's 227 KiB of shared memory per block and ran there
-(benchmarks/results/gpu-smoke-h200-2026-11-30-run1.log: D=256 at 64x32); the
-16-bit D=256 tiles asked for 288 KiB in float32 (run 2's log). float32 is
+(benchmarks/results/gpu-smoke-h200-2026-11-30-call1.log: D=256 at 64x32); the
+16-bit D=256 tiles asked for 288 KiB in float32 (...-call3.log), and a 4-warp,
+1-stage variant did not finish compiling within 100 s (...-call5.log). float32 is
 correctness-first here, not tuned. The CPU interpreter ignores warps and stages.
 """
 
