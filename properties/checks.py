@@ -16,6 +16,7 @@ import hypothesis
 import numpy as np
 
 from .case import Case, save_case_file
+from .inputs import logit_scale, make_inputs
 from .runner import baseline, evaluate, evaluate_forward, score
 from .tolerance import OutputError, compare, error_table
 
@@ -57,7 +58,6 @@ def matches_oracle(impl, case: Case):
 
 def key_permutation_invariance(impl, case: Case):
   """Permuting keys and values jointly (no causal, no window) changes nothing."""
-  from .inputs import make_inputs
   inputs = make_inputs(case)
   perm = np.random.default_rng(case.seed + 1).permutation(case.seq_len)
   permuted = dict(inputs)
@@ -77,7 +77,6 @@ def key_permutation_invariance(impl, case: Case):
 
 def packed_equals_separate(impl, case: Case):
   """A packed batch row equals each of its documents run alone."""
-  from .inputs import make_inputs
   inputs = make_inputs(case)
   packed = evaluate(impl, case, inputs)
   _, bounds = baseline(case)
@@ -121,7 +120,6 @@ def hidden_keys_do_not_leak(impl, case: Case):
   queries); else with a window, the first keys (hidden from queries beyond the
   window).
   """
-  from .inputs import make_inputs
   inputs = make_inputs(case)
   t = case.seq_len
   rows = np.zeros((case.batch, t), bool)      # queries that must not see the poison
@@ -185,7 +183,6 @@ def unit_temperature_is_none(impl, case: Case):
 
 
 def huge_tanh_cap_is_no_cap(impl, case: Case):
-  from .inputs import logit_scale
   capped = _replace(case, cap_method="tanh", cap_params=(1e4 * logit_scale(case),))
   return _same_call(impl, _replace(case, cap_method="none", cap_params=()), capped,
                     "a huge tanh cap differs from no cap")
@@ -199,7 +196,6 @@ def window_covering_sequence_is_no_window(impl, case: Case):
 
 def gqa_equals_repeated_heads(impl, case: Case):
   """GQA equals MHA on K/V heads repeated G times; dk/dv are the group sums."""
-  from .inputs import make_inputs
   g = case.num_q_heads // case.num_kv_heads
   inputs = make_inputs(case)
   repeated = dict(inputs)
@@ -219,7 +215,6 @@ def gqa_equals_repeated_heads(impl, case: Case):
 
 def deterministic(impl, case: Case):
   """Two identical calls are bit-identical."""
-  from .inputs import make_inputs
   inputs = make_inputs(case)
   first, second = evaluate(impl, case, inputs), evaluate(impl, case, inputs)
   for name, x in first.items():

@@ -68,7 +68,7 @@ def cases(draw, buckets: Buckets, unsupported=frozenset(), require=frozenset(),
   ``require``/``forbid`` pin features on/off for properties that need them;
   ``cap`` fixes the cap method (ua-fuzz --cap).
   """
-  def flag(feature, p_on=True):
+  def flag(feature):
     can, must = _allowed(feature, unsupported, require, forbid)
     if must:
       return True
