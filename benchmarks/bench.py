@@ -2,7 +2,8 @@
 
 FLOPs: 4*B*Hq*T^2*D for the forward over visible pairs (halved for causal,
 T*W-ish for windows: counted exactly from the mask), forward+backward 3.5x.
-Timing: median of --repeats timed calls after warm-up, block_until_ready.
+Timing: median over --repeats rounds that time every implementation of a
+configuration in turn (time_interleaved), after warm-up; block_until_ready.
 Prints a table headed by date, GPU and versions, and writes it as JSON.
 """
 
@@ -13,6 +14,7 @@ import datetime
 import functools
 import json
 import platform
+import re
 import statistics
 import time
 
@@ -34,18 +36,30 @@ def visible_pairs(t, causal, window, doc_len=None):
   return int(np.maximum(hi - lo, 0).sum())
 
 
-def _time(fn, args, repeats, inner=5):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  jax.block_until_ready(fn(*args))
-  times = []
+def time_interleaved(fns, args, repeats, inner=5):
+  """{name: median ms per call} for jitted ``fns``, timed round-robin: each round
+  times every function once (``inner`` calls, block_until_ready), so clock or
+  thermal drift during the run moves all of them alike and their ratios hold.
+  Two warm-up calls each first; a function that fails there maps to its exception.
+  """
+  live, out = {}, {}
+  for name, fn in fns.items():
+    try:
+      jax.block_until_ready(fn(*args))
+      jax.block_until_ready(fn(*args))
+      live[name] = fn
+    except Exception as exc:  # noqa: BLE001 -- e.g. a peer without this feature
+      out[name] = exc
+  times = {name: [] for name in live}
   for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(inner):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / inner)
-  return statistics.median(times) * 1e3
+    for name, fn in live.items():
+      start = time.perf_counter()
+      for _ in range(inner):
+        result = fn(*args)
+      jax.block_until_ready(result)
+      times[name].append((time.perf_counter() - start) / inner * 1e3)
+  out.update({name: statistics.median(ts) for name, ts in times.items()})
+  return out
 
 
 def _fwd_bwd(f):
@@ -155,16 +169,18 @@ def main(argv=None):
     label = f"B{b} T{t} H{hq}/{hkv} D{d}" + (" causal" if causal else "") + \
         (f" win{window}" if window else "") + (f" tanh{cap:g}" if cap else "") + \
         (f" docs{doc}" if doc else "")
-    for name, f in impls.items():
-      try:
-        fwd_ms = _time(jax.jit(f), (q, k, v), args.repeats)
-        bwd_ms = _time(_fwd_bwd(f), (q, k, v), args.repeats)
-      except Exception as exc:  # noqa: BLE001 -- a peer may not support the case
-        rows.append({"config": label, "impl": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
+    fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, (q, k, v), args.repeats)
+    bwd = time_interleaved({n: _fwd_bwd(f) for n, f in impls.items()}, (q, k, v), args.repeats)
+    stats = jax.devices()[0].memory_stats() or {}
+    for name in impls:
+      failed = [r for r in (fwd[name], bwd[name]) if isinstance(r, Exception)]
+      if failed:
+        rows.append({"config": label, "impl": name,
+                     "error": f"{type(failed[0]).__name__}: {failed[0]}"[:200]})
         continue
-      stats = jax.devices()[0].memory_stats() or {}
-      rows.append({"config": label, "impl": name, "fwd_ms": fwd_ms, "fwd_bwd_ms": bwd_ms,
-                   "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_tflops": 3.5 * flops / bwd_ms / 1e9,
+      rows.append({"config": label, "impl": name, "fwd_ms": fwd[name], "fwd_bwd_ms": bwd[name],
+                   "fwd_tflops": flops / fwd[name] / 1e9,
+                   "fwd_bwd_tflops": 3.5 * flops / bwd[name] / 1e9,
                    "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2 ** 30})
     if not args.no_peers and not window and not doc and hq == hkv:
       flex = torch_flex(b, t, hq, d, causal, cap, args.repeats)
@@ -181,8 +197,25 @@ def main(argv=None):
     else:
       print(f"{r['config']:38} {r['impl']:20} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
             f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_tflops']:9.1f} {r.get('peak_gib_so_far', 0):8.1f}")
+  print_target_ratios(rows)
   with open(args.json, "w") as f:
     json.dump({"header": header, "rows": rows}, f, indent=1)
+
+
+def print_target_ratios(rows):
+  """The issue's targets as ratios within this run: ours over JAX's Pallas-Triton
+  kernel (no cap, and tanh cap against its no-cap time) and over FlexAttention-tanh."""
+  by = {(r["config"], r["impl"]): r for r in rows if "error" not in r}
+  for (config, impl), r in sorted(by.items()):
+    if impl != "ua_kernels":
+      continue
+    base = re.sub(r" tanh\S+", "", config)
+    for peer_config, peer in ((base, "jax_pallas_triton"), (config, "torch_flex_tanh")):
+      other = by.get((peer_config, peer))
+      if other and (peer != "torch_flex_tanh" or "tanh" in config):
+        print(f"ratio {config:36} vs {peer}{' (no cap)' if peer_config != config else '':9} "
+              f"fwd {other['fwd_ms'] / r['fwd_ms']:.2f}x  "
+              f"fwd+bwd {other['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Block-size sweep on the GPU: python -m benchmarks.tune --json tune.json.
 
-For each (head dim, masking) it times the forward over forward tilings, then
-forward+backward over backward tilings with the best forward, and prints the
-winners; ua_kernels/tuned_configs.py records them.
+For each (head dim, masking, cap) it times the forward over forward tilings,
+then (unless --fwd-only) forward+backward over backward tilings with the best
+forward. Candidates of one sweep are timed round-robin (bench.time_interleaved),
+so their ranking survives clock drift. ua_kernels/tuned_configs.py records the
+winners.
 """
 
 import argparse
@@ -15,53 +17,66 @@ import numpy as np
 
 import ua_kernels
 from ua_kernels import KernelConfig
-from benchmarks.bench import _fwd_bwd, _time
+from benchmarks.bench import _fwd_bwd, time_interleaved
 
-FWD = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 2),
-       (128, 32, 4, 3)]
+FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2),
+       (64, 128, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3)]
 BWD = [(64, 64, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2), (128, 64, 64, 128, 8, 2),
        (32, 64, 64, 32, 4, 2), (64, 128, 128, 64, 8, 2), (32, 32, 32, 32, 4, 2)]
-SHAPES = [(128, False), (128, True), (64, True), (256, True)]
+# (head dim, causal, tanh cap)
+SHAPES = [(128, False, 0.0), (128, True, 0.0), (128, False, 30.0), (128, True, 30.0),
+          (64, True, 0.0), (256, True, 0.0)]
+
+
+def _label(cfg_tuple):
+  return " ".join(str(x) for x in cfg_tuple)
 
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--json", default="tune.json")
   parser.add_argument("--t", type=int, default=4096)
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--head-dims", default="64,128,256")
+  parser.add_argument("--fwd-only", action="store_true")
   args = parser.parse_args()
+  dims = {int(d) for d in args.head_dims.split(",")}
   results = []
-  for d, causal in SHAPES:
+  for d, causal, cap in [s for s in SHAPES if s[0] in dims]:
     b = 4 if d <= 128 else 2
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(b, args.t, 16, d)), jnp.bfloat16) for _ in range(3))
-    best_fwd, best = None, None
-    for bq, bkv, w, s in FWD:
-      cfg = KernelConfig(block_q=bq, block_kv=bkv, num_warps=w, num_stages=s)
-      f = jax.jit(lambda q, k, v, cfg=cfg: ua_kernels.attention(q, k, v, causal=causal, config=cfg))
-      try:
-        ms = _time(f, (q, k, v), 3)
-      except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory
-        print(f"D{d} causal={causal} fwd {bq}x{bkv} w{w} s{s}: {type(exc).__name__}", flush=True)
-        continue
-      print(f"D{d} causal={causal} fwd {bq}x{bkv} w{w} s{s}: {ms:.3f} ms", flush=True)
-      if best is None or ms < best:
-        best_fwd, best = cfg, ms
-    best_bwd, best_b = None, None
-    for bqq, bkq, bqk, bkk, w, s in BWD:
-      cfg = dataclasses.replace(best_fwd, block_q_dq=bqq, block_kv_dq=bkq, block_q_dkv=bqk,
-                                block_kv_dkv=bkk, num_warps_bwd=w, num_stages_bwd=s)
-      f = lambda q, k, v, cfg=cfg: ua_kernels.attention(q, k, v, causal=causal, config=cfg)
-      try:
-        ms = _time(_fwd_bwd(f), (q, k, v), 3)
-      except Exception as exc:  # noqa: BLE001
-        print(f"D{d} causal={causal} bwd {bqq},{bkq},{bqk},{bkk} w{w}: {type(exc).__name__}", flush=True)
-        continue
-      print(f"D{d} causal={causal} bwd {bqq},{bkq},{bqk},{bkk} w{w} s{s}: {ms:.3f} ms", flush=True)
-      if best_b is None or ms < best_b:
-        best_bwd, best_b = cfg, ms
-    results.append({"head_dim": d, "causal": causal, "fwd_ms": best, "fwd_bwd_ms": best_b,
-                    "config": dataclasses.asdict(best_bwd or best_fwd)})
-    print("BEST", results[-1], flush=True)
+    kw = dict(causal=causal, **(dict(cap_method="tanh", cap_params=(cap,)) if cap else {}))
+    name = f"D{d} causal={causal} cap={cap:g}"
+
+    def attention_with(cfg):
+      return lambda q, k, v: ua_kernels.attention(q, k, v, config=cfg, **kw)
+
+    fwd_cfgs = {_label(c): KernelConfig(block_q=c[0], block_kv=c[1], num_warps=c[2],
+                                        num_stages=c[3]) for c in FWD}
+    fwd = time_interleaved({n: jax.jit(attention_with(c)) for n, c in fwd_cfgs.items()},
+                           (q, k, v), args.repeats)
+    for n, ms in fwd.items():
+      print(f"{name} fwd {n}: " + (f"{ms:.3f} ms" if isinstance(ms, float) else type(ms).__name__),
+            flush=True)
+    timed = {n: ms for n, ms in fwd.items() if isinstance(ms, float)}
+    best = min(timed, key=timed.get)
+    row = {"head_dim": d, "causal": causal, "cap": cap, "fwd_ms": timed[best],
+           "config": dataclasses.asdict(fwd_cfgs[best])}
+    if not args.fwd_only:
+      bwd_cfgs = {_label(c): dataclasses.replace(
+          fwd_cfgs[best], block_q_dq=c[0], block_kv_dq=c[1], block_q_dkv=c[2], block_kv_dkv=c[3],
+          num_warps_bwd=c[4], num_stages_bwd=c[5]) for c in BWD}
+      bwd = time_interleaved({n: _fwd_bwd(attention_with(c)) for n, c in bwd_cfgs.items()},
+                             (q, k, v), args.repeats)
+      for n, ms in bwd.items():
+        print(f"{name} fwd+bwd {n}: " + (f"{ms:.3f} ms" if isinstance(ms, float)
+                                          else type(ms).__name__), flush=True)
+      timed = {n: ms for n, ms in bwd.items() if isinstance(ms, float)}
+      best_b = min(timed, key=timed.get)
+      row.update(fwd_bwd_ms=timed[best_b], config=dataclasses.asdict(bwd_cfgs[best_b]))
+    results.append(row)
+    print("BEST", row, flush=True)
   with open(args.json, "w") as f:
     json.dump(results, f, indent=1)
 

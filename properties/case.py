@@ -29,7 +29,7 @@ class Case:
   segments: str = "none"          # none | packed | random
   cap_method: str = "none"
   cap_params: tuple[float, ...] = ()
-  temperature: str = "none"       # none | ones | uniform | extreme | per_head | scalar
+  temperature: str = "none"       # none | ones | uniform | signed | extreme | per_head | scalar
   sm_scale: float | None = None
   z_loss_weight: float = 0.0
   return_lse: bool = False

@@ -46,6 +46,9 @@ def _temperature(rng, case: Case):
     return np.ones((b, t, h), np.float32)
   if kind == "uniform":
     return rng.uniform(0.25, 4.0, size=(b, t, h)).astype(np.float32)
+  if kind == "signed":  # the contract allows negative temperatures (a reversed row)
+    sign = rng.choice(np.asarray([-1.0, 1.0], np.float32), size=(b, t, h))
+    return (sign * rng.uniform(0.25, 4.0, size=(b, t, h))).astype(np.float32)
   if kind == "extreme":
     return np.exp(rng.uniform(math.log(1e-3), math.log(50.0), size=(b, t, h))).astype(np.float32)
   if kind == "per_head":
@@ -76,4 +79,4 @@ def logit_scale(case: Case) -> float:
   """Typical |scaled logit| of the case's distribution, to place caps."""
   sm = case.sm_scale if case.sm_scale is not None else 1.0 / math.sqrt(case.head_dim)
   spread = {"normal": 1.0, "large": 8.0, "ties": 1.0}[case.distribution]
-  return sm * spread * math.sqrt(case.head_dim)
+  return abs(sm) * spread * math.sqrt(case.head_dim)

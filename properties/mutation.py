@@ -41,9 +41,10 @@ TM, KE, AT, SS = ("ua_kernels/tile_math.py", "ua_kernels/kernels.py",
 MUTANTS = [
     # --- seed defects, re-introduced ---------------------------------------
     Mutant("S1", TM,
-           "    logits = spec.cap.forward(scaled, *spec.cap_params) * LOG2E\n",
-           "    if mask is not None:\n      scaled = jnp.where(mask, scaled, -jnp.inf)\n"
-           "      mask = None\n    logits = spec.cap.forward(scaled, *spec.cap_params) * LOG2E\n",
+           "    scores = (cap.fast_forward if fast_cap else cap.forward)(cap_arg, *params)\n",
+           "    if mask is not None:\n      cap_arg = jnp.where(mask, cap_arg, -jnp.inf)\n"
+           "      mask = None\n"
+           "    scores = (cap.fast_forward if fast_cap else cap.forward)(cap_arg, *params)\n",
            "seed: mask applied before the cap (cap(-inf) is finite for tanh/hard)"),
     Mutant("S2", TM, "hi = jnp.minimum(_ceil_div(q_start + block_q, block_kv), hi)",
            "hi = jnp.minimum(_div(q_start, block_kv) + 1, hi)",
@@ -52,15 +53,16 @@ MUTANTS = [
            "lo = jnp.maximum(hi - (spec.window_len + block_q) // block_kv, 0)",
            "seed: window lower bound counted back from the upper bound (off by one; "
            "wrong without causal)"),
-    Mutant("S4", TM, "  return jnp.exp2(logits - lse2[:, None])",
-           "  p = jnp.exp2(logits - lse2[:, None])\n"
+    Mutant("S4", TM, "  return exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2))",
+           "  p = exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2))\n"
            "  return p / jnp.maximum(jnp.sum(p, axis=1, keepdims=True), 1e-30)",
            "seed: backward probabilities renormalised within each key block"),
     Mutant("S5", AT, "- dlse - spec.z_loss_weight * lse\n",
            "- dlse - spec.z_loss_weight * lse * jnp.exp(-jnp.abs(lse))\n",
            "seed: z-loss gradient divided by the softmax normaliser"),
-    Mutant("S6", KE, "ds = logits_grad(spec, p, dp, delta, scaled, qt.temp)",
-           "ds = logits_grad(spec, p, dp, delta, logits, qt.temp)",
+    Mutant("S6", KE, "ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)",
+           "ds = logits_grad(spec, p, dp, delta, logits._replace(cap_arg=logits.scores), "
+           "qt.temp, fast_cap)",
            "seed: cap gradient evaluated on capped, temperature-scaled logits (dq)"),
     Mutant("S7", TM,
            "hi = jnp.minimum(_ceil_div(k_start + block_kv - 1 + spec.window_len, block_q), hi)",
@@ -87,13 +89,13 @@ MUTANTS = [
            "num_blocks = spec.seq_len // block_kv", "tail key block dropped (floor)"),
     Mutant("M6", TM, "num_blocks = -(-spec.seq_len // block_q)",
            "num_blocks = max(spec.seq_len // block_q, 1)", "tail query block dropped in dk/dv"),
-    Mutant("M7", TM, "    scaled = qk * spec.sm_scale\n    logits = spec.cap.forward(scaled, *spec.cap_params) * LOG2E\n",
-           "    scaled = qk * spec.sm_scale\n    if temp is not None:\n      scaled = scaled * temp[:, None]\n      temp = None\n"
-           "    logits = spec.cap.forward(scaled, *spec.cap_params) * LOG2E\n",
+    Mutant("M7", TM, "  qk = dot(q, k, trans_b=True)\n",
+           "  qk = dot(q, k, trans_b=True)\n  if temp is not None and spec.cap_method != 'none':\n"
+           "    qk = qk * temp[:, None]\n    temp = None\n",
            "temperature applied before the cap"),
     Mutant("M8", TM, "  if temp is not None:\n    ds = ds * temp[:, None]\n", "",
            "temperature missing from the logits gradient"),
-    Mutant("M9", TM, "    ds = ds * spec.cap.grad(scaled, *spec.cap_params)\n",
+    Mutant("M9", TM, "    ds = ds * cap_grad(logits.cap_arg, *logits.cap_params)\n",
            "    ds = ds * 1.0\n", "cap gradient dropped (taken as 1)"),
     Mutant("M10", AT, "- dlse - spec.z_loss_weight * lse\n", "- dlse + spec.z_loss_weight * lse\n",
            "z-loss gradient sign flipped"),
@@ -118,6 +120,12 @@ MUTANTS = [
     Mutant("M18", AT, "lambda i, bi, h: (bi, 0, h // group, 0))",
            "lambda i, bi, h: (bi, 0, h % spec.num_kv_heads, 0))",
            "GQA head mapping h % Hkv instead of h // G (dq kernel)", occurrence=1),
+    Mutant("M21", TM, "  if temp is not None or scale <= 0:", "  if temp is not None:",
+           "negative sm_scale folded into the exp2 (row max taken before the multiply)"),
+    Mutant("M22", TM, "  return jnp.max(logits.scores, axis=1) * logits.scale",
+           "  return jnp.max(logits.scores, axis=1)", "row max missing the folded scale"),
+    Mutant("M23", TM, "      params = tuple(c / spec.sm_scale for c in spec.cap_params)",
+           "      params = spec.cap_params", "sm_scale folded out of the logits but not the cap"),
     Mutant("M19", SS, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
            "no guard for rows whose keys in a tile are all hidden (NaN)"),
 ]

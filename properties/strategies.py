@@ -96,11 +96,13 @@ def cases(draw, buckets: Buckets, unsupported=frozenset(), require=frozenset(),
     segments = "packed"
   temperature = "none"
   if flag("temperature"):
-    temperature = draw(st.sampled_from(["uniform", "extreme", "per_head", "scalar", "ones"]))
+    temperature = draw(st.sampled_from(["uniform", "extreme", "per_head", "scalar", "ones",
+                                        "signed"]))
   z_loss = draw(st.sampled_from([0.1, 1.0])) if flag("z_loss") else 0.0
   return_lse = flag("lse")
   distribution = draw(st.sampled_from(["normal", "normal", "large", "ties"]))
-  sm_scale = draw(st.sampled_from([None, None, 0.5 / math.sqrt(d), 2.0 / math.sqrt(d)]))
+  sm_scale = draw(st.sampled_from([None, None, 0.5 / math.sqrt(d), 2.0 / math.sqrt(d),
+                                   -1.0 / math.sqrt(d)]))
 
   cap_can, cap_must = _allowed("cap", unsupported, require, forbid)
   if cap is not None:

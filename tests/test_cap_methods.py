@@ -1,8 +1,9 @@
-"""Every registered cap method: hand-written gradient == autodiff of the forward.
+"""Every registered cap method: hand-written gradient == autodiff of the forward,
+and the fast forms (16-bit kernels) within FAST_CAP_TOLERANCE of the exact ones.
 
-Runs in float64 over a wide domain (huge magnitudes and the cap boundaries
-included). Registering a method is enough for it to be covered here and in
-every property of tests/test_properties.py.
+Runs over a wide domain (huge magnitudes and the cap boundaries included).
+Registering a method is enough for it to be covered here and in every property
+of tests/test_properties.py.
 """
 
 import jax
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from properties.runner import x64
-from ua_kernels.cap_functions import CAP_METHODS
+from ua_kernels.cap_functions import CAP_METHODS, FAST_CAP_TOLERANCE
 
 _scales = st.floats(1e-3, 1e4, allow_nan=False, allow_infinity=False)
 
@@ -42,6 +43,61 @@ def test_hand_written_gradient_matches_autodiff(point):
                                err_msg=f"cap {name} params {params}")
     fwd = np.asarray(method.forward(x, *params))
     assert np.isfinite(fwd).all() and np.isfinite(np.asarray(hand)).all()
+
+
+@settings(max_examples=200)
+@given(_points())
+def test_fast_forms_match_exact_ones(point):
+  """In float32, as the kernels evaluate them: |fast - exact(float64)| may exceed
+  the exact form's own float32 error by at most FAST_CAP_TOLERANCE (times the
+  largest cap for the forward; derivatives lie in [0, 1]). The float32 error
+  term absorbs rounding of x and of the parameters, e.g. at the hard cap's kink."""
+  name, params, xs = point
+  method = CAP_METHODS[name]
+  with x64(True):
+    x64_, x32 = jnp.asarray(xs), jnp.asarray(xs, jnp.float32)
+    err = lambda a, b: np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+    for fast, exact, scale in ((method.fast_forward, method.forward, max(params, default=1.0)),
+                               (method.fast_grad, method.grad, 1.0)):
+      truth = exact(x64_, *params)
+      fast32 = fast(x32, *params)
+      assert fast32.dtype == jnp.float32
+      excess = err(fast32, truth) - err(exact(x32, *params), truth)
+      assert np.max(excess) <= FAST_CAP_TOLERANCE * scale, (name, params, fast)
+
+
+@settings(max_examples=200)
+@given(_points(), st.floats(1e-3, 1e3))
+def test_declared_homogeneity_holds(point, a):
+  """A method declared homogeneous is evaluated by the kernels as
+  a*cap(x/a; p/a) (sm_scale folded into the exp2): that must be the same function,
+  with the same derivative."""
+  name, params, xs = point
+  method = CAP_METHODS[name]
+  if not method.homogeneous:
+    return
+  with x64(True):
+    x = jnp.asarray(xs)
+    scaled_params = tuple(c / a for c in params)
+    np.testing.assert_allclose(np.asarray(a * method.forward(x / a, *scaled_params)),
+                               np.asarray(method.forward(x, *params)), rtol=1e-12, atol=1e-300)
+    kink = np.isclose(np.abs(xs), max(params, default=0.0), rtol=1e-6)  # clip's derivative step
+    np.testing.assert_allclose(np.asarray(method.grad(x / a, *scaled_params))[~kink],
+                               np.asarray(method.grad(x, *params))[~kink], rtol=1e-10, atol=1e-12)
+
+
+def test_fast_tanh_emulation_has_the_instructions_error_size():
+  """Off the GPU the fast tanh is emulated with an error of tanh.approx.f32's size
+  (ua_kernels.fast_math), so the CPU suite measures that error's effect: it must be
+  visibly approximate, not the exact function again."""
+  tanh = CAP_METHODS["tanh"]
+  x = jnp.linspace(-20.0, 20.0, 4001, dtype=jnp.float32)
+  err = np.abs(np.asarray(tanh.fast_forward(x, 3.0), np.float64)
+               - 3 * np.tanh(np.asarray(x, np.float64) / 3))
+  assert 2.0 ** -14 * 3 < err.max() <= FAST_CAP_TOLERANCE * 3
+  ends = jnp.asarray([-1e6, 1e6], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(tanh.fast_forward(ends, 3.0)), [-3.0, 3.0])
+  np.testing.assert_array_equal(np.asarray(tanh.fast_grad(ends, 3.0)), [0.0, 0.0])
 
 
 def test_builtin_methods_meet_their_definitions():

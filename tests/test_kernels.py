@@ -100,3 +100,4 @@ def test_unmasked_tiles_are_fully_visible(t, bq, bkv, causal, window):
     assert lo <= full_lo <= full_hi <= hi
     for i in range(full_lo, full_hi):
       assert tile(i, j).all(), (i, j)
+

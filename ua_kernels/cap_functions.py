@@ -10,6 +10,20 @@ the validation and the Hypothesis strategies all read this registry.
 Every parameter of every method is a positive, finite scale (a cap in logit
 units); validation rejects anything else, and the strategies draw parameters
 around the logits' magnitude so that the cap is actually reached.
+
+A method may also give a fast evaluation of both functions, which the kernels
+use for bfloat16 inputs only, whose outputs are rounded to 2^-9 relative anyway
+(ua_kernels.attention._fast_cap says why not float16). The tanh family's fast
+form is one ``tanh.approx.f32`` instruction (ua_kernels.fast_math, about 2^-11
+relative): on the H200 an accurate tanh, two multi-function-unit operations per
+logit on top of the softmax's exp2, cost the forward about 35% of its speed
+(docs/BENCHMARKS.md). tests/test_cap_methods.py holds every fast form to
+FAST_CAP_TOLERANCE, and the bfloat16 properties of the suite hold the kernels
+that use them to the same tolerances as everything else.
+
+A method declared ``homogeneous`` (cap(a*x; a*p) = a*cap(x; p) for a > 0) lets
+the kernels evaluate cap(q.k; p/sm_scale) and fold sm_scale into the softmax's
+exp2, one multiply per logit fewer; the suite checks the declaration.
 """
 
 from __future__ import annotations
@@ -20,18 +34,31 @@ from typing import Callable, Sequence
 
 import jax.numpy as jnp
 
+from .fast_math import approx_tanh
+
+# Max |fast - exact| allowed beyond the exact form's own float32 error, relative
+# to the largest cap parameter (forward) or absolute (derivative, within [0, 1]):
+# float16's rounding, 2^-11, with a factor 2 for the derivative's 2t * dt.
+FAST_CAP_TOLERANCE = 2.0 ** -10
+
 CapFn = Callable[..., jnp.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
 class CapMethod:
-  """One registered cap: ``forward(x, *params)`` and ``grad(x, *params)``."""
+  """One registered cap: ``forward(x, *params)`` and ``grad(x, *params)``,
+  their fast forms for bfloat16 kernels (the exact ones unless given), and
+  whether it is positively homogeneous: forward(a*x, *(a*p)) = a*forward(x, *p)
+  for a > 0, which lets the kernels fold sm_scale into the exp2 (tile_math)."""
 
   name: str
   param_names: tuple[str, ...]
   forward: CapFn
   grad: CapFn
+  fast_forward: CapFn
+  fast_grad: CapFn
   doc: str = ""
+  homogeneous: bool = False
 
   def validate_params(self, params: Sequence[float]) -> tuple[float, ...]:
     """Returns params as floats, or raises naming ``cap_params``."""
@@ -66,13 +93,16 @@ CAP_METHODS: dict[str, CapMethod] = {}
 
 
 def register_cap_method(name: str, param_names: Sequence[str], forward: CapFn,
-                        grad: CapFn, doc: str = "") -> CapMethod:
+                        grad: CapFn, doc: str = "", *, fast_forward: CapFn | None = None,
+                        fast_grad: CapFn | None = None, homogeneous: bool = False
+                        ) -> CapMethod:
   """Registers a cap method; the whole suite picks it up with no other edit."""
   if not isinstance(name, str) or not name:
     raise ValueError(f"cap method name must be a non-empty string, got {name!r}")
   if name in CAP_METHODS:
     raise ValueError(f"cap method {name!r} is already registered")
-  method = CapMethod(name, tuple(param_names), forward, grad, doc)
+  method = CapMethod(name, tuple(param_names), forward, grad,
+                     fast_forward or forward, fast_grad or grad, doc, bool(homogeneous))
   CAP_METHODS[name] = method
   return method
 
@@ -88,9 +118,38 @@ def get_cap_method(name: str) -> CapMethod:
     ) from None
 
 
-def _tanh_grad(x, c):
-  t = jnp.tanh(x / c)
+# The tanh family in terms of (c, 1/c): a multiply by a constant reciprocal, not
+# a division per element; the two-sided method picks both per element.
+
+def _tanh(x, c, inv_c):
+  return c * jnp.tanh(x * inv_c)
+
+
+def _tanh_deriv(x, c, inv_c):
+  t = jnp.tanh(x * inv_c)
   return 1.0 - t * t
+
+
+def _fast_tanh(x, c, inv_c):
+  return c * approx_tanh(x * inv_c)
+
+
+def _fast_tanh_deriv(x, c, inv_c):
+  t = approx_tanh(x * inv_c)
+  return 1.0 - t * t
+
+
+def _one_sided(fn):
+  return lambda x, c: fn(x, c, 1.0 / c)
+
+
+def _two_sided(fn):
+  """c_pos for x >= 0, else c_neg: parameters chosen per element, so the
+  function is evaluated once, not on both sides."""
+  def method(x, c_pos, c_neg):
+    pos = x >= 0
+    return fn(x, jnp.where(pos, c_pos, c_neg), jnp.where(pos, 1.0 / c_pos, 1.0 / c_neg))
+  return method
 
 
 def _hard_forward(x, c):
@@ -99,26 +158,21 @@ def _hard_forward(x, c):
   return jnp.where(jnp.abs(x) <= c, x, jnp.sign(x) * c)
 
 
-def _asym_tanh_forward(x, c_pos, c_neg):
-  return jnp.where(x >= 0, c_pos * jnp.tanh(x / c_pos),
-                   c_neg * jnp.tanh(x / c_neg))
-
-
-def _asym_tanh_grad(x, c_pos, c_neg):
-  return jnp.where(x >= 0, _tanh_grad(x, c_pos), _tanh_grad(x, c_neg))
-
-
 register_cap_method(
     "none", (), lambda x: x, lambda x: jnp.ones_like(x),
     doc="identity: no cap")
 register_cap_method(
-    "tanh", ("c",), lambda x, c: c * jnp.tanh(x / c), _tanh_grad,
-    doc="soft cap c*tanh(x/c); derivative 1 - tanh(x/c)^2")
+    "tanh", ("c",), _one_sided(_tanh), _one_sided(_tanh_deriv),
+    doc="soft cap c*tanh(x/c); derivative 1 - tanh(x/c)^2",
+    fast_forward=_one_sided(_fast_tanh), fast_grad=_one_sided(_fast_tanh_deriv),
+    homogeneous=True)
 register_cap_method(
     "hard", ("c",), _hard_forward,
     lambda x, c: (jnp.abs(x) <= c).astype(x.dtype),
-    doc="clip to [-c, c]; derivative 1 on [-c, c], 0 outside")
+    doc="clip to [-c, c]; derivative 1 on [-c, c], 0 outside", homogeneous=True)
 register_cap_method(
-    "asym_tanh", ("c_pos", "c_neg"), _asym_tanh_forward, _asym_tanh_grad,
+    "asym_tanh", ("c_pos", "c_neg"), _two_sided(_tanh), _two_sided(_tanh_deriv),
     doc="tanh soft cap with separate scales for positive (c_pos) and negative "
-        "(c_neg) logits; derivative 1 - tanh(x/c)^2 with c of x's side")
+        "(c_neg) logits; derivative 1 - tanh(x/c)^2 with c of x's side",
+    fast_forward=_two_sided(_fast_tanh), fast_grad=_two_sided(_fast_tanh_deriv),
+    homogeneous=True)

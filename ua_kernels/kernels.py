@@ -16,8 +16,8 @@ from jax.experimental import pallas as pl
 
 from .contract import StaticSpec
 from .softmax_state import SoftmaxState
-from .tile_math import (dot, kv_tiles, logits_grad, positions, probabilities,
-                        q_tiles, tile_logits, tile_loop, visible_mask)
+from .tile_math import (dot, kv_tiles, logits_grad, positions, probabilities, q_tiles,
+                        tile_logits, tile_loop, visible_mask)
 
 
 def _segment_tile(seg_ref, start, size):
@@ -41,30 +41,33 @@ def _query_tile(q_ref, seg_ref, temp_ref, block_q) -> _QueryTile:
                     None if temp_ref is None else temp_ref[...])
 
 
-def _key_tile(spec, qt: _QueryTile, k_ref, v_ref, seg_ref, kv_block, block_kv, padded,
+def _key_tile(spec, qt: _QueryTile, k_ref, seg_ref, kv_block, block_kv, padded, fast_cap,
               masked):
   """Loads key tile ``kv_block`` and scores it against the query tile:
-  (k, v, scaled, logits), the mask built only when ``masked``."""
+  (k, logits), the mask built only when ``masked``."""
   k_start = kv_block * block_kv
   k = k_ref[pl.ds(k_start, block_kv), :]
-  v = v_ref[pl.ds(k_start, block_kv), :]
   mask = None
   if masked:
     mask = visible_mask(spec, qt.pos, positions(k_start, block_kv), qt.seg,
                         _segment_tile(seg_ref, k_start, block_kv), padded=padded)
-  scaled, logits = tile_logits(spec, qt.q, k, qt.temp, mask)
-  return k, v, scaled, logits
+  return k, tile_logits(spec, qt.q, k, qt.temp, mask, fast_cap)
+
+
+def _value_tile(v_ref, kv_block, block_kv):
+  return v_ref[pl.ds(kv_block * block_kv, block_kv), :]
 
 
 def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse2_ref, *,
-                   spec: StaticSpec, block_q: int, block_kv: int, padded: bool):
+                   spec: StaticSpec, block_q: int, block_kv: int, padded: bool,
+                   fast_cap: bool):
   """One query tile of one head: o = softmax(logits) @ v, base-2 lse per row."""
   qt = _query_tile(q_ref, seg_ref, temp_ref, block_q)
 
   def body(kv_block, state, masked):
-    _, v, _, logits = _key_tile(spec, qt, k_ref, v_ref, seg_ref, kv_block, block_kv,
-                                padded, masked)
-    return state.update(logits, v)
+    _, logits = _key_tile(spec, qt, k_ref, seg_ref, kv_block, block_kv, padded, fast_cap,
+                          masked)
+    return state.update(logits, _value_tile(v_ref, kv_block, block_kv))
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded)
   state = tile_loop(tiles, body, SoftmaxState.init(block_q, qt.q.shape[-1]))
@@ -74,7 +77,8 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse2_ref, *,
 
 
 def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_ref,
-              dq_ref, *, spec: StaticSpec, block_q: int, block_kv: int, padded: bool):
+              dq_ref, *, spec: StaticSpec, block_q: int, block_kv: int, padded: bool,
+              fast_cap: bool):
   """dq of one query tile of one head, streaming key tiles."""
   qt = _query_tile(q_ref, seg_ref, temp_ref, block_q)
   do = do_ref[...]
@@ -82,11 +86,11 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_re
   delta = delta_ref[...]
 
   def body(kv_block, dq, masked):
-    k, v, scaled, logits = _key_tile(spec, qt, k_ref, v_ref, seg_ref, kv_block, block_kv,
-                                     padded, masked)
+    k, logits = _key_tile(spec, qt, k_ref, seg_ref, kv_block, block_kv, padded, fast_cap,
+                          masked)
     p = probabilities(logits, lse2)
-    dp = dot(do, v, trans_b=True)
-    ds = logits_grad(spec, p, dp, delta, scaled, qt.temp)
+    dp = dot(do, _value_tile(v_ref, kv_block, block_kv), trans_b=True)
+    ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)
     return dq + dot(ds.astype(k.dtype), k)
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded)
@@ -96,7 +100,7 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_re
 
 def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_ref,
                dk_ref, dv_ref, *, spec: StaticSpec, block_q: int, block_kv: int,
-               padded: bool):
+               padded: bool, fast_cap: bool):
   """dk, dv of one key tile of one kv head, summed over its query-head group.
 
   q/do refs hold the G query heads of the group ([T, G, D]); lse2/delta/temp
@@ -123,11 +127,11 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_r
       if masked:
         mask = visible_mask(spec, positions(q_start, block_q), k_pos,
                             _segment_tile(seg_ref, q_start, block_q), k_seg, padded=padded)
-      scaled, logits = tile_logits(spec, q, k, temp, mask)
+      logits = tile_logits(spec, q, k, temp, mask, fast_cap)
       p = probabilities(logits, lse2)
       dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
       dp = dot(do, v, trans_b=True)
-      ds = logits_grad(spec, p, dp, delta, scaled, temp)
+      ds = logits_grad(spec, p, dp, delta, logits, temp, fast_cap)
       dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
       return dk, dv
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .tile_math import dot
+from .tile_math import Logits, dot, exp2_shifted, row_max
 
 
 class SoftmaxState(NamedTuple):
@@ -27,12 +27,12 @@ class SoftmaxState(NamedTuple):
                jnp.zeros((block_q,), jnp.float32),
                jnp.zeros((block_q, head_dim), jnp.float32))
 
-  def update(self, logits: jax.Array, v: jax.Array) -> "SoftmaxState":
-    """Folds in one key tile: masked base-2 logits (-inf where hidden), values."""
-    m_new = jnp.maximum(self.m, jnp.max(logits, axis=1))
+  def update(self, logits: Logits, v: jax.Array) -> "SoftmaxState":
+    """Folds in one key tile: its masked logits (-inf where hidden), values."""
+    m_new = jnp.maximum(self.m, row_max(logits))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     correction = jnp.exp2(self.m - m_safe)
-    p = jnp.exp2(logits - m_safe[:, None])
+    p = exp2_shifted(logits, m_safe)
     l_new = correction * self.l + jnp.sum(p, axis=1)
     acc = correction[:, None] * self.acc + dot(p.astype(v.dtype), v)
     return SoftmaxState(m_new, l_new, acc)

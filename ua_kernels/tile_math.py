@@ -8,7 +8,9 @@ and what they accumulate, so every masking or capping rule lives here once.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -59,32 +61,68 @@ def visible_mask(spec: StaticSpec, q_pos, k_pos, q_seg, k_seg, *, padded: bool):
   return mask
 
 
-def tile_logits(spec: StaticSpec, q, k, temp, mask):
-  """Returns (scaled, logits2): scaled = sm_scale*q@k^T; logits2 = the contract's
-  logits (capped, temperature-scaled, in that order) in base-2 units, masked to
-  -inf where hidden. Without a cap the two scales fold into one multiply."""
+class Logits(NamedTuple):
+  """One tile's logits in base-2 units, as ``scores * scale``.
+
+  ``scale`` is a positive static float that the kernels fold into the exp2's
+  argument (``exp2(scores * scale - m)`` is one fused multiply-add), so the
+  row max is taken on ``scores`` and no separate multiply pass is spent.
+  The cap was evaluated as ``cap(cap_arg, *cap_params)``; its derivative needs
+  the same (cap_arg is None without a cap).
+  """
+
+  scores: jax.Array
+  scale: float
+  cap_arg: jax.Array | None
+  cap_params: tuple[float, ...]
+
+
+def tile_logits(spec: StaticSpec, q, k, temp, mask, fast_cap: bool) -> Logits:
+  """The contract's logits (capped, then temperature-scaled), masked to -inf
+  where hidden. ``fast_cap`` selects the cap's fast form (bfloat16; CapMethod).
+
+  A cap declared homogeneous, cap(s*x; s*p) = s*cap(x; p), is evaluated as
+  cap(q.k; p/sm_scale) with sm_scale left to the exp2's multiply: one multiply
+  per logit fewer than cap(sm_scale*q.k; p), the same function.
+  """
   qk = dot(q, k, trans_b=True)
+  cap = spec.cap
   if spec.cap_method == "none":
-    scaled = None
-    logits = qk * (spec.sm_scale * LOG2E)
+    scores, scale, cap_arg, params = qk, spec.sm_scale * LOG2E, None, ()
   else:
-    scaled = qk * spec.sm_scale
-    logits = spec.cap.forward(scaled, *spec.cap_params) * LOG2E
-  if temp is not None:
-    logits = logits * temp[:, None]
+    if cap.homogeneous and spec.sm_scale > 0:
+      cap_arg, scale = qk, spec.sm_scale * LOG2E
+      params = tuple(c / spec.sm_scale for c in spec.cap_params)
+    else:
+      cap_arg, scale, params = qk * spec.sm_scale, LOG2E, spec.cap_params
+    scores = (cap.fast_forward if fast_cap else cap.forward)(cap_arg, *params)
+  if temp is not None or scale <= 0:
+    # A per-row temperature (of either sign) or an sm_scale <= 0 does not
+    # commute with the row max (nor -inf * 0 with the mask): multiply first.
+    scores = scores * (scale if temp is None else temp[:, None] * scale)
+    scale = 1.0
   if mask is not None:
-    logits = jnp.where(mask, logits, -jnp.inf)
-  return scaled, logits
+    scores = jnp.where(mask, scores, -jnp.inf)
+  return Logits(scores, scale, cap_arg, params)
 
 
-def probabilities(logits, lse2):
-  """Softmax probabilities from base-2 logits and the forward's base-2 lse;
-  rows with lse2 = -inf give 0."""
-  lse2 = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)
-  return jnp.exp2(logits - lse2[:, None])
+def row_max(logits: Logits):
+  """Per-row max of the base-2 logits (scale > 0 commutes with max)."""
+  return jnp.max(logits.scores, axis=1) * logits.scale
 
 
-def logits_grad(spec: StaticSpec, p, dp, delta, scaled, temp):
+def exp2_shifted(logits: Logits, shift):
+  """exp2(logits - shift[:, None]), the multiply fused into the subtraction."""
+  return jnp.exp2(logits.scores * logits.scale - shift[:, None])
+
+
+def probabilities(logits: Logits, lse2):
+  """Softmax probabilities from the forward's base-2 lse; rows with
+  lse2 = -inf give 0."""
+  return exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2))
+
+
+def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: bool):
   """d loss / d scaled, from dp = dO @ V^T and delta = rowsum(dO*O) - dlse - w*lse.
 
   Softmax: dlogits = p * (dp - delta). Chain back through temperature and the
@@ -95,7 +133,8 @@ def logits_grad(spec: StaticSpec, p, dp, delta, scaled, temp):
   if temp is not None:
     ds = ds * temp[:, None]
   if spec.cap_method != "none":
-    ds = ds * spec.cap.grad(scaled, *spec.cap_params)
+    cap_grad = spec.cap.fast_grad if fast_cap else spec.cap.grad
+    ds = ds * cap_grad(logits.cap_arg, *logits.cap_params)
   return ds * spec.sm_scale
 
 
@@ -179,3 +218,4 @@ def tile_loop(tiles, body, carry):
   carry = lax.fori_loop(lo, full_lo, masked, carry)
   carry = lax.fori_loop(full_lo, full_hi, lambda i, c: body(i, c, False), carry)
   return lax.fori_loop(full_hi, hi, masked, carry)
+
