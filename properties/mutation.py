@@ -124,8 +124,8 @@ MUTANTS = [
            "negative sm_scale folded into the exp2 (row max taken before the multiply)"),
     Mutant("M22", TM, "  return jnp.max(logits.scores, axis=1) * logits.scale",
            "  return jnp.max(logits.scores, axis=1)", "row max missing the folded scale"),
-    Mutant("M23", TM, "      params = tuple(c / spec.sm_scale for c in spec.cap_params)",
-           "      params = spec.cap_params", "sm_scale folded out of the logits but not the cap"),
+    Mutant("M23", TM, "      params = tuple(c / p0 for c in spec.cap_params)",
+           "      params = spec.cap_params", "cap parameter moved into the scale but not divided out"),
     Mutant("M19", SS, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
            "no guard for rows whose keys in a tile are all hidden (NaN)"),
 ]

@@ -22,8 +22,9 @@ FAST_CAP_TOLERANCE, and the bfloat16 properties of the suite hold the kernels
 that use them to the same tolerances as everything else.
 
 A method declared ``homogeneous`` (cap(a*x; a*p) = a*cap(x; p) for a > 0) lets
-the kernels evaluate cap(q.k; p/sm_scale) and fold sm_scale into the softmax's
-exp2, one multiply per logit fewer; the suite checks the declaration.
+the kernels move its first parameter into the softmax's exp2 multiply
+(tile_math.tile_logits), one multiply per logit fewer; the suite checks the
+declaration.
 """
 
 from __future__ import annotations

@@ -81,18 +81,21 @@ def tile_logits(spec: StaticSpec, q, k, temp, mask, fast_cap: bool) -> Logits:
   """The contract's logits (capped, then temperature-scaled), masked to -inf
   where hidden. ``fast_cap`` selects the cap's fast form (bfloat16; CapMethod).
 
-  A cap declared homogeneous, cap(s*x; s*p) = s*cap(x; p), is evaluated as
-  cap(q.k; p/sm_scale) with sm_scale left to the exp2's multiply: one multiply
-  per logit fewer than cap(sm_scale*q.k; p), the same function.
+  A cap declared homogeneous, cap(a*x; a*p) = a*cap(x; p) for a > 0, is
+  evaluated with its first parameter p0 moved out, p0 * cap(sm_scale*q.k/p0; p/p0),
+  and p0 left to the exp2's multiply: for the tanh cap, tanh(q.k * sm_scale/c)
+  is one multiply and one tanh per logit, the same function as c*tanh(s/c).
   """
   qk = dot(q, k, trans_b=True)
   cap = spec.cap
   if spec.cap_method == "none":
     scores, scale, cap_arg, params = qk, spec.sm_scale * LOG2E, None, ()
   else:
-    if cap.homogeneous and spec.sm_scale > 0:
-      cap_arg, scale = qk, spec.sm_scale * LOG2E
-      params = tuple(c / spec.sm_scale for c in spec.cap_params)
+    if cap.homogeneous and spec.cap_params:
+      # cap(s*qk; p) = p0 * cap(s*qk/p0; p/p0): p0 joins the exp2's scale.
+      p0 = spec.cap_params[0]
+      cap_arg, scale = qk * (spec.sm_scale / p0), p0 * LOG2E
+      params = tuple(c / p0 for c in spec.cap_params)
     else:
       cap_arg, scale, params = qk * spec.sm_scale, LOG2E, spec.cap_params
     scores = (cap.fast_forward if fast_cap else cap.forward)(cap_arg, *params)
