@@ -50,7 +50,8 @@ class CapMethod:
   """One registered cap: ``forward(x, *params)`` and ``grad(x, *params)``,
   their fast forms for bfloat16 kernels (the exact ones unless given), and
   whether it is positively homogeneous: forward(a*x, *(a*p)) = a*forward(x, *p)
-  for a > 0, which lets the kernels fold sm_scale into the exp2 (tile_math)."""
+  for a > 0, which lets the kernels move the first parameter into the exp2's
+  multiply (tile_math.tile_logits)."""
 
   name: str
   param_names: tuple[str, ...]
@@ -119,25 +120,21 @@ def get_cap_method(name: str) -> CapMethod:
     ) from None
 
 
-# The tanh family in terms of (c, 1/c): a multiply by a constant reciprocal, not
-# a division per element; the two-sided method picks both per element.
+def _tanh_family(tanh):
+  """(forward, derivative) of c*tanh(x/c) in terms of (x, c, 1/c), built on the
+  given tanh: a multiply by a constant reciprocal, not a division per element."""
+  def forward(x, c, inv_c):
+    return c * tanh(x * inv_c)
 
-def _tanh(x, c, inv_c):
-  return c * jnp.tanh(x * inv_c)
+  def derivative(x, c, inv_c):
+    t = tanh(x * inv_c)
+    return 1.0 - t * t
 
-
-def _tanh_deriv(x, c, inv_c):
-  t = jnp.tanh(x * inv_c)
-  return 1.0 - t * t
-
-
-def _fast_tanh(x, c, inv_c):
-  return c * approx_tanh(x * inv_c)
+  return forward, derivative
 
 
-def _fast_tanh_deriv(x, c, inv_c):
-  t = approx_tanh(x * inv_c)
-  return 1.0 - t * t
+_tanh, _tanh_deriv = _tanh_family(jnp.tanh)
+_fast_tanh, _fast_tanh_deriv = _tanh_family(approx_tanh)
 
 
 def _one_sided(fn):
