@@ -33,7 +33,7 @@ class Case:
   sm_scale: float | None = None
   z_loss_weight: float = 0.0
   return_lse: bool = False
-  distribution: str = "normal"    # normal | large | ties
+  distribution: str = "normal"    # normal | large | ties | saturating
   blocks: tuple[int, ...] | None = None
   seed: int = 0
 

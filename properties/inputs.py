@@ -58,15 +58,34 @@ def _temperature(rng, case: Case):
   raise ValueError(f"unknown temperature kind {kind!r}")
 
 
+def _saturating(rng, case: Case):
+  """q, k, v whose every row of logits lies far beyond any drawn cap, with one
+  sign per row (a capped row sits at its cap's upper or at its lower bound), and
+  values scaled by 2^60 or 2^-60 (float16: unscaled): the ends of the range in
+  which the forward's fixed exp2 shift (ua_kernels.tile_math.fixed_shift) must
+  neither overflow nor underflow."""
+  b, t, hq, hkv, d = (case.batch, case.seq_len, case.num_q_heads,
+                      case.num_kv_heads, case.head_dim)
+  u = rng.normal(size=d)
+  sign = rng.choice([-1.0, 1.0], size=(b, t, hq, 1))
+  q = sign * 100.0 * u + 0.1 * rng.normal(size=(b, t, hq, d))
+  k = u + 0.1 * rng.normal(size=(b, t, hkv, d))
+  v_scale = 1.0 if case.dtype == "float16" else 2.0 ** float(rng.choice([-60, 60]))
+  return q, k, v_scale * rng.normal(size=(b, t, hkv, d))
+
+
 def make_inputs(case: Case) -> dict:
   """q, k, v (case dtype), segment_ids, temperature, dout, dlse as numpy."""
   rng = np.random.default_rng(case.seed)
   dtype = DTYPES[case.dtype]
   b, t, hq, hkv, d = (case.batch, case.seq_len, case.num_q_heads,
                       case.num_kv_heads, case.head_dim)
-  q = _values(rng, (b, t, hq, d), case.distribution).astype(dtype)
-  k = _values(rng, (b, t, hkv, d), case.distribution).astype(dtype)
-  v = rng.normal(size=(b, t, hkv, d)).astype(dtype)
+  if case.distribution == "saturating":
+    q, k, v = (x.astype(dtype) for x in _saturating(rng, case))
+  else:
+    q = _values(rng, (b, t, hq, d), case.distribution).astype(dtype)
+    k = _values(rng, (b, t, hkv, d), case.distribution).astype(dtype)
+    v = rng.normal(size=(b, t, hkv, d)).astype(dtype)
   seg = None if case.segments == "none" else _segments(rng, case)
   temp = _temperature(rng, case)
   dout = rng.normal(size=(b, t, hq, d)).astype(dtype)
@@ -78,5 +97,7 @@ def make_inputs(case: Case) -> dict:
 def logit_scale(case: Case) -> float:
   """Typical |scaled logit| of the case's distribution, to place caps."""
   sm = case.sm_scale if case.sm_scale is not None else 1.0 / math.sqrt(case.head_dim)
-  spread = {"normal": 1.0, "large": 8.0, "ties": 1.0}[case.distribution]
+  # saturating: caps up to 2*24 = 48 logit units, all reached (its logits are
+  # in the hundreds); caps of 24 give a fixed shift whose bounds are far apart.
+  spread = {"normal": 1.0, "large": 8.0, "ties": 1.0, "saturating": 24.0}[case.distribution]
   return abs(sm) * spread * math.sqrt(case.head_dim)

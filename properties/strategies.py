@@ -100,7 +100,7 @@ def cases(draw, buckets: Buckets, unsupported=frozenset(), require=frozenset(),
                                         "signed"]))
   z_loss = draw(st.sampled_from([0.1, 1.0])) if flag("z_loss") else 0.0
   return_lse = flag("lse")
-  distribution = draw(st.sampled_from(["normal", "normal", "large", "ties"]))
+  distribution = draw(st.sampled_from(["normal", "normal", "large", "ties", "saturating"]))
   sm_scale = draw(st.sampled_from([None, None, 0.5 / math.sqrt(d), 2.0 / math.sqrt(d),
                                    -1.0 / math.sqrt(d)]))
 

@@ -88,6 +88,30 @@ def test_declared_homogeneity_holds(point, a):
                                np.asarray(method.grad(x, *params))[~kink], rtol=1e-10, atol=1e-12)
 
 
+_BOUNDED = [name for name, m in CAP_METHODS.items() if m.bounds is not None]
+
+
+@settings(max_examples=200)
+@given(_points(_BOUNDED))
+def test_declared_bounds_hold(point):
+  """A method's declared bounds(*params) = (lo, hi) contain every output, exact
+  and fast (the forward kernel shifts its exp2 by their midpoint instead of a
+  row max: tile_math.fixed_shift), and are reached: a loose bound would only
+  waste range, a wrong one would overflow."""
+  name, params, xs = point
+  method = CAP_METHODS[name]
+  lo, hi = method.bounds(*params)
+  slack = FAST_CAP_TOLERANCE * max(params)
+  ends = np.asarray([-1e30, 1e30, -np.inf, np.inf])
+  with x64(True):
+    exact = np.asarray(method.forward(jnp.asarray(np.concatenate([xs, ends])), *params))
+  fast = np.asarray(method.fast_forward(jnp.asarray(np.concatenate([xs, ends]), jnp.float32),
+                                        *params), np.float64)
+  assert lo <= exact.min() and exact.max() <= hi, (name, params, lo, hi)
+  assert lo - slack <= fast.min() and fast.max() <= hi + slack, (name, params, lo, hi)
+  np.testing.assert_allclose(exact[-4:-2], [lo, hi], rtol=1e-12)
+
+
 def test_fast_tanh_emulation_has_the_instructions_error_size():
   """Off the GPU the fast tanh is emulated with an error of tanh.approx.f32's size
   (ua_kernels.fast_math), so the CPU suite measures that error's effect: it must be

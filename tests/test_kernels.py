@@ -101,3 +101,49 @@ def test_unmasked_tiles_are_fully_visible(t, bq, bkv, causal, window):
     for i in range(full_lo, full_hi):
       assert tile(i, j).all(), (i, j)
 
+
+
+def _cap_spec(cap_method, cap_params, dtype=np.float32):
+  z = np.zeros((1, 8, 1, 16), dtype)
+  return validate(z, z, z, cap_method=cap_method, cap_params=cap_params)[0]
+
+
+def test_fixed_shift_only_where_the_cap_bounds_the_range():
+  """The forward drops its running max only for bounded caps, without
+  temperature, for dtypes that hold the probabilities' range (tile_math.fixed_shift)."""
+  from ua_kernels.tile_math import FIXED_SHIFT_MAX_SPAN, LOG2E, fixed_shift
+  tanh30 = _cap_spec("tanh", (30.0,))
+  assert fixed_shift(tanh30, jnp.bfloat16, False) == 0.0
+  assert fixed_shift(tanh30, jnp.float32, False) == 0.0
+  assert fixed_shift(tanh30, jnp.float16, False) is None
+  assert fixed_shift(tanh30, jnp.bfloat16, True) is None
+  assert fixed_shift(_cap_spec("none", ()), jnp.bfloat16, False) is None
+  # asym_tanh: logits in [-c_neg, c_pos]; the shift is their midpoint, base 2.
+  shift = fixed_shift(_cap_spec("asym_tanh", (30.0, 10.0)), jnp.bfloat16, False)
+  np.testing.assert_allclose(shift, 10.0 * LOG2E, rtol=1e-12)
+  widest = FIXED_SHIFT_MAX_SPAN / (2 * LOG2E)  # largest symmetric cap still shifted
+  assert fixed_shift(_cap_spec("hard", (widest * 0.999,)), jnp.bfloat16, False) == 0.0
+  assert fixed_shift(_cap_spec("hard", (widest * 1.001,)), jnp.bfloat16, False) is None
+
+
+@pytest.mark.parametrize("v_scale", [2.0 ** -74, 1.0, 2.0 ** 72])
+@pytest.mark.parametrize("cap_method, cap_params", [("tanh", (30.0,)), ("asym_tanh", (10.0, 40.0))])
+def test_fixed_shift_keeps_rows_at_either_bound_exact(v_scale, cap_method, cap_params):
+  """Rows whose every logit sits at the cap's lower or upper bound, with values
+  at the ends of the range docs/SEMANTICS.md promises (|v| in [2^-76, 2^78/T]):
+  shifted by the bounds' midpoint their probabilities stay within 2^(+-50), so
+  the outputs (the rows' mean of v) are exact to bfloat16 rounding. A shift at
+  either bound would underflow or overflow one of the two rows."""
+  b, t, h, d = 1, 40, 2, 16
+  rng = np.random.default_rng(1)
+  u = rng.normal(size=d)
+  k = np.broadcast_to(u, (b, t, h, d))
+  sign = np.where(np.arange(t) % 2 == 0, 1.0, -1.0)  # even rows at the upper bound
+  q = np.broadcast_to(100.0 * sign[None, :, None, None] * u, (b, t, h, d))
+  v = v_scale * rng.normal(size=(b, t, h, d))
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+  out = ua_kernels.attention(q, k, v, cap_method=cap_method, cap_params=cap_params, config=CFG)
+  expected = np.broadcast_to(np.asarray(v, np.float64).mean(axis=1, keepdims=True), v.shape)
+  got = np.asarray(out, np.float64)
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got / v_scale, expected / v_scale, rtol=0, atol=2e-2)

@@ -21,6 +21,10 @@ logit on top of the softmax's exp2, cost the forward about 35% of its speed
 FAST_CAP_TOLERANCE, and the bfloat16 properties of the suite hold the kernels
 that use them to the same tolerances as everything else.
 
+A method that declares ``bounds`` (the range of its outputs) lets the forward
+kernel shift its exp2 by a constant instead of a running row max
+(tile_math.fixed_shift); the suite checks the declaration.
+
 A method declared ``homogeneous`` (cap(a*x; a*p) = a*cap(x; p) for a > 0) lets
 the kernels move its first parameter into the softmax's exp2 multiply
 (tile_math.tile_logits), one multiply per logit fewer; the suite checks the
@@ -51,7 +55,9 @@ class CapMethod:
   their fast forms for bfloat16 kernels (the exact ones unless given), and
   whether it is positively homogeneous: forward(a*x, *(a*p)) = a*forward(x, *p)
   for a > 0, which lets the kernels move the first parameter into the exp2's
-  multiply (tile_math.tile_logits)."""
+  multiply (tile_math.tile_logits), and ``bounds(*params) -> (lo, hi)``, the
+  range of forward over all x (None: unbounded), which lets the forward kernel
+  skip the running max (tile_math.fixed_shift)."""
 
   name: str
   param_names: tuple[str, ...]
@@ -61,6 +67,7 @@ class CapMethod:
   fast_grad: CapFn
   doc: str = ""
   homogeneous: bool = False
+  bounds: Callable[..., tuple[float, float]] | None = None
 
   def validate_params(self, params: Sequence[float]) -> tuple[float, ...]:
     """Returns params as floats, or raises naming ``cap_params``."""
@@ -96,7 +103,8 @@ CAP_METHODS: dict[str, CapMethod] = {}
 
 def register_cap_method(name: str, param_names: Sequence[str], forward: CapFn,
                         grad: CapFn, doc: str = "", *, fast_forward: CapFn | None = None,
-                        fast_grad: CapFn | None = None, homogeneous: bool = False
+                        fast_grad: CapFn | None = None, homogeneous: bool = False,
+                        bounds: Callable[..., tuple[float, float]] | None = None
                         ) -> CapMethod:
   """Registers a cap method; the whole suite picks it up with no other edit."""
   if not isinstance(name, str) or not name:
@@ -104,7 +112,8 @@ def register_cap_method(name: str, param_names: Sequence[str], forward: CapFn,
   if name in CAP_METHODS:
     raise ValueError(f"cap method {name!r} is already registered")
   method = CapMethod(name, tuple(param_names), forward, grad,
-                     fast_forward or forward, fast_grad or grad, doc, bool(homogeneous))
+                     fast_forward or forward, fast_grad or grad, doc, bool(homogeneous),
+                     bounds)
   CAP_METHODS[name] = method
   return method
 
@@ -163,14 +172,15 @@ register_cap_method(
     "tanh", ("c",), _one_sided(_tanh), _one_sided(_tanh_deriv),
     doc="soft cap c*tanh(x/c); derivative 1 - tanh(x/c)^2",
     fast_forward=_one_sided(_fast_tanh), fast_grad=_one_sided(_fast_tanh_deriv),
-    homogeneous=True)
+    homogeneous=True, bounds=lambda c: (-c, c))
 register_cap_method(
     "hard", ("c",), _hard_forward,
     lambda x, c: (jnp.abs(x) <= c).astype(x.dtype),
-    doc="clip to [-c, c]; derivative 1 on [-c, c], 0 outside", homogeneous=True)
+    doc="clip to [-c, c]; derivative 1 on [-c, c], 0 outside", homogeneous=True,
+    bounds=lambda c: (-c, c))
 register_cap_method(
     "asym_tanh", ("c_pos", "c_neg"), _two_sided(_tanh), _two_sided(_tanh_deriv),
     doc="tanh soft cap with separate scales for positive (c_pos) and negative "
         "(c_neg) logits; derivative 1 - tanh(x/c)^2 with c of x's side",
     fast_forward=_two_sided(_fast_tanh), fast_grad=_two_sided(_fast_tanh_deriv),
-    homogeneous=True)
+    homogeneous=True, bounds=lambda c_pos, c_neg: (-c_neg, c_pos))

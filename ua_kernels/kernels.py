@@ -16,8 +16,8 @@ from jax.experimental import pallas as pl
 
 from .contract import StaticSpec
 from .softmax_state import SoftmaxState
-from .tile_math import (dot, kv_tiles, logits_grad, positions, probabilities, q_tiles,
-                        tile_logits, tile_loop, visible_mask)
+from .tile_math import (dot, fixed_shift, kv_tiles, logits_grad, positions, probabilities,
+                        q_tiles, tile_logits, tile_loop, visible_mask)
 
 
 def _segment_tile(seg_ref, start, size):
@@ -63,14 +63,15 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse2_ref, *,
                    fast_cap: bool):
   """One query tile of one head: o = softmax(logits) @ v, base-2 lse per row."""
   qt = _query_tile(q_ref, seg_ref, temp_ref, block_q)
+  shift = fixed_shift(spec, q_ref.dtype, temp_ref is not None)
 
   def body(kv_block, state, masked):
     _, logits = _key_tile(spec, qt, k_ref, seg_ref, kv_block, block_kv, padded, fast_cap,
                           masked)
-    return state.update(logits, _value_tile(v_ref, kv_block, block_kv))
+    return state.update(logits, _value_tile(v_ref, kv_block, block_kv), shift)
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded)
-  state = tile_loop(tiles, body, SoftmaxState.init(block_q, qt.q.shape[-1]))
+  state = tile_loop(tiles, body, SoftmaxState.init(block_q, qt.q.shape[-1], shift))
   out, lse2 = state.finalize()
   o_ref[...] = out.astype(o_ref.dtype)
   lse2_ref[...] = lse2

@@ -22,13 +22,23 @@ class SoftmaxState(NamedTuple):
   acc: jax.Array  # [block_q, head_dim] float32
 
   @classmethod
-  def init(cls, block_q: int, head_dim: int) -> "SoftmaxState":
-    return cls(jnp.full((block_q,), -jnp.inf, jnp.float32),
+  def init(cls, block_q: int, head_dim: int, fixed_shift: float | None = None
+           ) -> "SoftmaxState":
+    """An empty state; with a ``fixed_shift`` (tile_math.fixed_shift) ``m``
+    holds that shift throughout."""
+    m = -jnp.inf if fixed_shift is None else fixed_shift
+    return cls(jnp.full((block_q,), m, jnp.float32),
                jnp.zeros((block_q,), jnp.float32),
                jnp.zeros((block_q, head_dim), jnp.float32))
 
-  def update(self, logits: Logits, v: jax.Array) -> "SoftmaxState":
-    """Folds in one key tile: its masked logits (-inf where hidden), values."""
+  def update(self, logits: Logits, v: jax.Array, fixed_shift: float | None = None
+             ) -> "SoftmaxState":
+    """Folds in one key tile: its masked logits (-inf where hidden), values.
+    With a ``fixed_shift`` the cap bounds the logits: no running max, no rescale."""
+    if fixed_shift is not None:
+      p = exp2_shifted(logits, fixed_shift)
+      return SoftmaxState(self.m, self.l + jnp.sum(p, axis=1),
+                          self.acc + dot(p.astype(v.dtype), v))
     m_new = jnp.maximum(self.m, row_max(logits))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     correction = jnp.exp2(self.m - m_safe)

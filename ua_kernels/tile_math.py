@@ -77,6 +77,44 @@ class Logits(NamedTuple):
   cap_params: tuple[float, ...]
 
 
+def _cap_fold(spec: StaticSpec) -> tuple[float, float, tuple[float, ...]]:
+  """(factor on q.k, exp2 scale, parameters) with which tile_logits evaluates
+  the cap: for a homogeneous cap, cap(s*qk; p) = p0 * cap(s*qk/p0; p/p0), so
+  p0 joins the exp2's scale."""
+  if spec.cap.homogeneous and spec.cap_params:
+    p0 = spec.cap_params[0]
+    return spec.sm_scale / p0, p0 * LOG2E, tuple(c / p0 for c in spec.cap_params)
+  return spec.sm_scale, LOG2E, spec.cap_params
+
+
+# Widest range, in base-2 units, of the logits a cap allows for which the
+# forward may shift its exp2 by a constant (fixed_shift): probabilities then
+# lie within 2^(+-50), so a row's sums stay finite and its largest terms stay
+# normal floats for any |v| in [2^-76, 2^78 / T] (docs/SEMANTICS.md).
+FIXED_SHIFT_MAX_SPAN = 100.0
+
+
+def fixed_shift(spec: StaticSpec, dtype, has_temperature: bool) -> float | None:
+  """The forward's constant exp2 shift when the cap bounds every logit, else None.
+
+  A cap whose outputs lie in [lo, hi] (CapMethod.bounds) bounds the base-2
+  logits to [lo, hi] * scale; shifting by the midpoint instead of the running
+  row max drops the max, the rescale of the accumulator and one exp2 per row
+  from every key tile. Only where that is exact in range: no temperature (it
+  would scale the bounds per row), a span of at most FIXED_SHIFT_MAX_SPAN, and
+  bfloat16 or float32 inputs (the probabilities are cast to the input dtype for
+  the p @ v product; float16 cannot hold 2^50).
+  """
+  if (spec.cap.bounds is None or has_temperature
+      or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))):
+    return None
+  _, scale, params = _cap_fold(spec)
+  lo, hi = spec.cap.bounds(*params)
+  if (hi - lo) * scale > FIXED_SHIFT_MAX_SPAN:
+    return None
+  return 0.5 * (lo + hi) * scale
+
+
 def tile_logits(spec: StaticSpec, q, k, temp, mask, fast_cap: bool) -> Logits:
   """The contract's logits (capped, then temperature-scaled), masked to -inf
   where hidden. ``fast_cap`` selects the cap's fast form (bfloat16; CapMethod).
@@ -91,13 +129,8 @@ def tile_logits(spec: StaticSpec, q, k, temp, mask, fast_cap: bool) -> Logits:
   if spec.cap_method == "none":
     scores, scale, cap_arg, params = qk, spec.sm_scale * LOG2E, None, ()
   else:
-    if cap.homogeneous and spec.cap_params:
-      # cap(s*qk; p) = p0 * cap(s*qk/p0; p/p0): p0 joins the exp2's scale.
-      p0 = spec.cap_params[0]
-      cap_arg, scale = qk * (spec.sm_scale / p0), p0 * LOG2E
-      params = tuple(c / p0 for c in spec.cap_params)
-    else:
-      cap_arg, scale, params = qk * spec.sm_scale, LOG2E, spec.cap_params
+    arg_scale, scale, params = _cap_fold(spec)
+    cap_arg = qk * arg_scale
     scores = (cap.fast_forward if fast_cap else cap.forward)(cap_arg, *params)
   if temp is not None or scale <= 0:
     # A per-row temperature (of either sign) or an sm_scale <= 0 does not
@@ -115,8 +148,11 @@ def row_max(logits: Logits):
 
 
 def exp2_shifted(logits: Logits, shift):
-  """exp2(logits - shift[:, None]), the multiply fused into the subtraction."""
-  return jnp.exp2(logits.scores * logits.scale - shift[:, None])
+  """exp2(logits - shift), the multiply fused into the subtraction; ``shift``
+  is one value per row, or a static float (fixed_shift)."""
+  if not isinstance(shift, float):
+    shift = shift[:, None]
+  return jnp.exp2(logits.scores * logits.scale - shift)
 
 
 def probabilities(logits: Logits, lse2):
