@@ -35,17 +35,16 @@ class SoftmaxState(NamedTuple):
              ) -> "SoftmaxState":
     """Folds in one key tile: its masked logits (-inf where hidden), values.
     With a ``fixed_shift`` the cap bounds the logits: no running max, no rescale."""
-    if fixed_shift is not None:
+    if fixed_shift is None:
+      m_new = jnp.maximum(self.m, row_max(logits))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      correction = jnp.exp2(self.m - m_safe)
+      p = exp2_shifted(logits, m_safe)
+      l, acc = correction * self.l, correction[:, None] * self.acc
+    else:
+      m_new, l, acc = self.m, self.l, self.acc
       p = exp2_shifted(logits, fixed_shift)
-      return SoftmaxState(self.m, self.l + jnp.sum(p, axis=1),
-                          self.acc + dot(p.astype(v.dtype), v))
-    m_new = jnp.maximum(self.m, row_max(logits))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    correction = jnp.exp2(self.m - m_safe)
-    p = exp2_shifted(logits, m_safe)
-    l_new = correction * self.l + jnp.sum(p, axis=1)
-    acc = correction[:, None] * self.acc + dot(p.astype(v.dtype), v)
-    return SoftmaxState(m_new, l_new, acc)
+    return SoftmaxState(m_new, l + jnp.sum(p, axis=1), acc + dot(p.astype(v.dtype), v))
 
   def finalize(self) -> tuple[jax.Array, jax.Array]:
     """Returns (out, lse2), lse2 the log-sum-exp in base 2 (what the backward
