@@ -120,7 +120,7 @@ MUTANTS = [
            "online-softmax row sum not rescaled"),
     Mutant("M18", AT, "lambda i, bi, h: (bi, 0, h // group, 0))",
            "lambda i, bi, h: (bi, 0, h % spec.num_kv_heads, 0))",
-           "GQA head mapping h % Hkv instead of h // G (dq kernel)", occurrence=1),
+           "GQA head mapping h % Hkv instead of h // G (forward and dq kernels)"),
     Mutant("M21", TM, "  if temp is not None or scale <= 0:", "  if temp is not None:",
            "negative sm_scale folded into the exp2 (row max taken before the multiply)"),
     Mutant("M22", TM, "  return jnp.max(logits.scores, axis=1) * logits.scale",

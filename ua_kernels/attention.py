@@ -89,18 +89,26 @@ def _prepare(spec, config, q, k, v, seg, temp):
   return q, k, v, seg, temp, head_dim, seq_pad, blocks
 
 
-def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
-  b, t, hq, d = q.shape
-  q, k, v, seg, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg, temp)
-  bq, bkv = blocks["block_q"], blocks["block_kv"]
+def _query_program_specs(spec: StaticSpec, bq: int, head_dim: int, seq_pad: int):
+  """BlockSpecs of a program that owns one query tile (forward, dq) on the grid
+  (query tile i, batch, query head): its [bq, D] tile, the whole K/V of its kv
+  head, and its [bq] row vector."""
   group = spec.group_size
-  kernel = functools.partial(kernels.forward_kernel, spec=spec, block_q=bq,
-                             block_kv=bkv, padded=seq_pad != t,
-                             fast_cap=_fast_cap(q.dtype))
   tile = pl.BlockSpec((None, bq, None, head_dim), lambda i, bi, h: (bi, i, h, 0))
   whole_kv = pl.BlockSpec((None, seq_pad, None, head_dim),
                           lambda i, bi, h: (bi, 0, h // group, 0))
   row = pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i))
+  return tile, whole_kv, row
+
+
+def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
+  b, t, hq, d = q.shape
+  q, k, v, seg, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg, temp)
+  bq, bkv = blocks["block_q"], blocks["block_kv"]
+  kernel = functools.partial(kernels.forward_kernel, spec=spec, block_q=bq,
+                             block_kv=bkv, padded=seq_pad != t,
+                             fast_cap=_fast_cap(q.dtype))
+  tile, whole_kv, row = _query_program_specs(spec, bq, head_dim, seq_pad)
   out, lse2 = _pallas_call(
       config, (q, k, v, seg, temp), kernel,
       grid=(seq_pad // bq, b, hq),
@@ -137,10 +145,7 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
 
   # dq: one program per (query tile, batch, query head).
   bq, bkv = blocks["block_q_dq"], blocks["block_kv_dq"]
-  tile = pl.BlockSpec((None, bq, None, head_dim), lambda i, bi, h: (bi, i, h, 0))
-  whole_kv = pl.BlockSpec((None, seq_pad, None, head_dim),
-                          lambda i, bi, h: (bi, 0, h // group, 0))
-  row = pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i))
+  tile, whole_kv, row = _query_program_specs(spec, bq, head_dim, seq_pad)
   dq = _pallas_call(
       config, inputs, functools.partial(kernels.dq_kernel, spec=spec, block_q=bq, block_kv=bkv,
                         padded=padded, fast_cap=fast_cap),
