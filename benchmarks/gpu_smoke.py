@@ -17,6 +17,8 @@ CASES = [
          kw=dict(causal=True, cap_method="tanh", cap_params=(5.0,), z_loss_weight=0.1)),
     dict(b=2, t=17, hq=2, hkv=1, d=16, dtype=jnp.bfloat16, kw=dict(seg=True, temp=True)),
     dict(b=2, t=1000, hq=4, hkv=2, d=128, dtype=jnp.bfloat16, kw={}),
+    # Packed documents over many tiles: the loops skip tiles outside the segment spans.
+    dict(b=2, t=1000, hq=4, hkv=4, d=128, dtype=jnp.bfloat16, kw=dict(causal=True, seg=True)),
     dict(b=1, t=777, hq=2, hkv=2, d=96, dtype=jnp.float16, kw=dict(causal=True)),
     dict(b=1, t=512, hq=4, hkv=2, d=64, dtype=jnp.float32,
          kw=dict(causal=True, seg=True, temp=True, cap_method="asym_tanh", cap_params=(2.0, 1.0))),

@@ -134,6 +134,11 @@ MUTANTS = [
     Mutant("M26", TM, "(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))",
            "(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))",
            "fixed exp2 shift for float16 inputs (probabilities overflow its range)"),
+    Mutant("M27", AT, "jnp.pad(at_position(last) + 1, pad", "jnp.pad(at_position(last), pad",
+           "segment spans one short: the last key of each segment's extent skipped"),
+    Mutant("M28", TM, "jnp.minimum(hi, _ceil_div(span_hi, block))",
+           "jnp.minimum(hi, _div(span_hi, block))",
+           "tile range narrowed to a segment span rounded down at its end (a partial tile dropped)"),
     Mutant("M19", SS, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
            "no guard for rows whose keys in a tile are all hidden (NaN)"),
 ]

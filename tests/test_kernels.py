@@ -147,3 +147,43 @@ def test_fixed_shift_keeps_rows_at_either_bound_exact(v_scale, cap_method, cap_p
   got = np.asarray(out, np.float64)
   assert np.isfinite(got).all()
   np.testing.assert_allclose(got / v_scale, expected / v_scale, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("segments", ["packed", "random"])
+@pytest.mark.parametrize("causal, window", [(False, 0), (True, 0), (True, 9), (False, 17)])
+def test_segment_spans_skip_only_tiles_without_a_visible_pair(segments, causal, window):
+  """With segment ids the kernels visit, per query tile, the key tiles within
+  the span of its queries' segments (and per key tile the query tiles likewise).
+  Packed documents: exactly the tiles holding a visible pair. Ids scattered over
+  the sequence: at least those (a segment's span is its whole extent)."""
+  import importlib
+  from ua_kernels.tile_math import kv_tiles, q_tiles
+  attention_module = importlib.import_module("ua_kernels.attention")
+  t, bq, bkv = 61, 16, 8
+  rng = np.random.default_rng(3)
+  if segments == "packed":
+    seg = np.repeat(np.arange(t), rng.choice([1, 3, 7, 20], size=t))[:t]
+  else:
+    seg = rng.integers(0, 3, size=t)
+  spans = np.asarray(attention_module._segment_spans(jnp.asarray(seg[None], jnp.int32), 64))[0]
+  spec = validate(*(np.zeros((1, t, 1, 16), np.float32),) * 3, causal=causal, window_len=window,
+                  segment_ids=seg[None])[0]
+  mask = np.asarray(visible_keys(t, jnp.asarray(seg[None]), causal, window))[0]
+  nq, nkv = -(-t // bq), -(-t // bkv)
+  needed = np.zeros((nq, nkv), bool)
+  for i, j in itertools.product(range(nq), range(nkv)):
+    needed[i, j] = mask[i * bq:(i + 1) * bq, j * bkv:(j + 1) * bkv].any()
+  span = lambda start, size: (jnp.int32(spans[0, start:start + size].min()),
+                              jnp.int32(spans[1, start:start + size].max()))
+  by_query = np.zeros_like(needed)
+  for i in range(nq):
+    lo, _, _, hi = kv_tiles(spec, jnp.int32(i * bq), bq, bkv, True, span(i * bq, bq))
+    by_query[i, int(lo):max(int(hi), int(lo))] = True
+  by_key = np.zeros_like(needed)
+  for j in range(nkv):
+    lo, _, _, hi = q_tiles(spec, jnp.int32(j * bkv), bq, bkv, True, span(j * bkv, bkv))
+    by_key[int(lo):max(int(hi), int(lo)), j] = True
+  for visited in (by_query, by_key):
+    assert not (needed & ~visited).any()
+    if segments == "packed":
+      np.testing.assert_array_equal(visited, needed)

@@ -78,15 +78,48 @@ def _pallas_call(config: KernelConfig, inputs, kernel, **kwargs):
     return pl.pallas_call(kernel, interpret=interpret, **kwargs)(*inputs)
 
 
+def _segment_spans(seg, seq_pad: int):
+  """[B, 2, T_pad] int32: for each position, the first position of its segment
+  and one past the last (padding: an empty span), so that the kernels visit
+  only tiles holding some same-segment pair (kernels._segment_span). Ids need
+  not be sorted or contiguous: a segment spread out gets its whole extent."""
+  b, t = seg.shape
+  order = jnp.argsort(seg, axis=1, stable=True)
+  ordered = jnp.take_along_axis(seg, order, axis=1)
+  new_segment = jnp.concatenate([jnp.ones((b, 1), bool), ordered[:, 1:] != ordered[:, :-1]],
+                                axis=1)
+  group = jnp.cumsum(new_segment, axis=1, dtype=jnp.int32) - 1
+  first = jax.vmap(lambda o, g: jax.ops.segment_min(o, g, num_segments=t))(order, group)
+  last = jax.vmap(lambda o, g: jax.ops.segment_max(o, g, num_segments=t))(order, group)
+  inverse = jnp.argsort(order, axis=1)
+  at_position = lambda per_group: jnp.take_along_axis(
+      jnp.take_along_axis(per_group, group, axis=1), inverse, axis=1).astype(jnp.int32)
+  pad = ((0, 0), (0, seq_pad - t))
+  return jnp.stack([jnp.pad(at_position(first), pad, constant_values=seq_pad),
+                    jnp.pad(at_position(last) + 1, pad, constant_values=0)], axis=1)
+
+
 def _prepare(spec, config, q, k, v, seg, temp):
-  """Pads to the kernel layout; temperature becomes [B, Hq, T_pad]."""
+  """Pads to the kernel layout; segment ids gain their spans ([B, 2, T_pad]);
+  temperature becomes [B, Hq, T_pad]."""
   head_dim, seq_pad, blocks = _layout(spec, config)
   q, k, v = (_pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
+  spans = None
   if seg is not None:
+    spans = _segment_spans(seg, seq_pad)
     seg = _pad(seg, {1: seq_pad})
   if temp is not None:
     temp = _pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad})
-  return q, k, v, seg, temp, head_dim, seq_pad, blocks
+  return q, k, v, seg, spans, temp, head_dim, seq_pad, blocks
+
+
+def _segment_specs(seg, seq_pad: int):
+  """BlockSpecs of the whole row of segment ids and of their spans, for any of
+  the three grids (tile, batch, head); (None, None) without segment ids."""
+  if seg is None:
+    return None, None
+  return (pl.BlockSpec((None, seq_pad), lambda i, bi, h: (bi, 0)),
+          pl.BlockSpec((None, 2, seq_pad), lambda i, bi, h: (bi, 0, 0)))
 
 
 def _query_program_specs(spec: StaticSpec, bq: int, head_dim: int, seq_pad: int):
@@ -103,17 +136,17 @@ def _query_program_specs(spec: StaticSpec, bq: int, head_dim: int, seq_pad: int)
 
 def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
   b, t, hq, d = q.shape
-  q, k, v, seg, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg, temp)
+  q, k, v, seg, spans, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg,
+                                                                   temp)
   bq, bkv = blocks["block_q"], blocks["block_kv"]
   kernel = functools.partial(kernels.forward_kernel, spec=spec, block_q=bq,
                              block_kv=bkv, padded=seq_pad != t,
                              fast_cap=_fast_cap(q.dtype))
   tile, whole_kv, row = _query_program_specs(spec, bq, head_dim, seq_pad)
   out, lse2 = _pallas_call(
-      config, (q, k, v, seg, temp), kernel,
+      config, (q, k, v, seg, spans, temp), kernel,
       grid=(seq_pad // bq, b, hq),
-      in_specs=[tile, whole_kv, whole_kv,
-                None if seg is None else pl.BlockSpec((None, seq_pad), lambda i, bi, h: (bi, 0)),
+      in_specs=[tile, whole_kv, whole_kv, *_segment_specs(seg, seq_pad),
                 None if temp is None else row],
       out_specs=[tile, row],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -133,15 +166,16 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
   delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
                      dout.astype(jnp.float32)) - dlse - spec.z_loss_weight * lse
   delta = jnp.where(has_key, delta, 0.0)
-  q, k, v, seg, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg, temp)
+  q, k, v, seg, spans, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg,
+                                                                   temp)
   dout = _pad(dout, {1: seq_pad, 3: head_dim})
   lse2 = _pad(lse2, {2: seq_pad})
   delta = _pad(delta, {2: seq_pad})
   padded = seq_pad != t
   fast_cap = _fast_cap(q.dtype)
-  seg_spec = lambda: None if seg is None else pl.BlockSpec((None, seq_pad), lambda i, bi, h: (bi, 0))
+  segment_specs = _segment_specs(seg, seq_pad)
   params = dict(compiler_params=_compiler_params(config, head_dim, backward=True))
-  inputs = (q, k, v, seg, temp, dout, lse2, delta)
+  inputs = (q, k, v, seg, spans, temp, dout, lse2, delta)
 
   # dq: one program per (query tile, batch, query head).
   bq, bkv = blocks["block_q_dq"], blocks["block_kv_dq"]
@@ -150,7 +184,7 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
       config, inputs, functools.partial(kernels.dq_kernel, spec=spec, block_q=bq, block_kv=bkv,
                         padded=padded, fast_cap=fast_cap),
       grid=(seq_pad // bq, b, hq),
-      in_specs=[tile, whole_kv, whole_kv, seg_spec(),
+      in_specs=[tile, whole_kv, whole_kv, *segment_specs,
                 None if temp is None else row, tile, row, row],
       out_specs=tile,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -166,7 +200,7 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
       config, inputs, functools.partial(kernels.dkv_kernel, spec=spec, block_q=bq, block_kv=bkv,
                         padded=padded, fast_cap=fast_cap),
       grid=(seq_pad // bkv, b, hkv),
-      in_specs=[group_q, kv_tile, kv_tile, seg_spec(),
+      in_specs=[group_q, kv_tile, kv_tile, *segment_specs,
                 None if temp is None else group_rows, group_q, group_rows, group_rows],
       out_specs=[kv_tile, kv_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,

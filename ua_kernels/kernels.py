@@ -2,7 +2,8 @@
 
 Refs arrive per (batch, head) through BlockSpecs: the tile a program owns is
 loaded once, the other side is streamed in a fori_loop bounded by the block
-ranges of tile_math, so causal/window-hidden tiles are never visited.
+ranges of tile_math, so causal/window-hidden tiles, and with segment ids the
+tiles outside the spans of the tile's segments, are never visited.
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ from .tile_math import (dot, fixed_shift, kv_tiles, logits_grad, positions, prob
 
 def _segment_tile(seg_ref, start, size):
   return None if seg_ref is None else seg_ref[pl.ds(start, size)]
+
+
+def _segment_span(span_ref, start, size):
+  """[lo, hi): the positions that share a segment with some position of the
+  tile at ``start`` (ua_kernels.attention._segment_spans), None without
+  segment ids. The tile loops skip tiles outside it: packed documents visit
+  only the tiles of their own documents."""
+  if span_ref is None:
+    return None
+  return jnp.min(span_ref[0, pl.ds(start, size)]), jnp.max(span_ref[1, pl.ds(start, size)])
 
 
 class _QueryTile(NamedTuple):
@@ -58,7 +69,7 @@ def _value_tile(v_ref, kv_block, block_kv):
   return v_ref[pl.ds(kv_block * block_kv, block_kv), :]
 
 
-def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse2_ref, *,
+def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, o_ref, lse2_ref, *,
                    spec: StaticSpec, block_q: int, block_kv: int, padded: bool,
                    fast_cap: bool):
   """One query tile of one head: o = softmax(logits) @ v, base-2 lse per row."""
@@ -70,14 +81,15 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, o_ref, lse2_ref, *,
                           masked)
     return state.update(logits, _value_tile(v_ref, kv_block, block_kv), shift)
 
-  tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded)
+  tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
+                   _segment_span(span_ref, qt.start, block_q))
   state = tile_loop(tiles, body, SoftmaxState.init(block_q, qt.q.shape[-1], shift))
   out, lse2 = state.finalize()
   o_ref[...] = out.astype(o_ref.dtype)
   lse2_ref[...] = lse2
 
 
-def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_ref,
+def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref, delta_ref,
               dq_ref, *, spec: StaticSpec, block_q: int, block_kv: int, padded: bool,
               fast_cap: bool):
   """dq of one query tile of one head, streaming key tiles."""
@@ -94,12 +106,13 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_re
     ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)
     return dq + dot(ds.astype(k.dtype), k)
 
-  tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded)
+  tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
+                   _segment_span(span_ref, qt.start, block_q))
   dq = tile_loop(tiles, body, jnp.zeros(qt.q.shape, jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_ref,
+def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref, delta_ref,
                dk_ref, dv_ref, *, spec: StaticSpec, block_q: int, block_kv: int,
                padded: bool, fast_cap: bool):
   """dk, dv of one key tile of one kv head, summed over its query-head group.
@@ -112,7 +125,8 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, do_ref, lse2_ref, delta_r
   v = v_ref[...]
   k_pos = positions(k_start, block_kv)
   k_seg = _segment_tile(seg_ref, k_start, block_kv)
-  tiles = q_tiles(spec, k_start, block_q, block_kv, padded)
+  tiles = q_tiles(spec, k_start, block_q, block_kv, padded,
+                  _segment_span(span_ref, k_start, block_kv))
 
   def head(g, carry):
     def body(q_block, carry, masked):

@@ -216,11 +216,21 @@ def _split(spec: StaticSpec, padded: bool) -> bool:
   return (spec.causal or spec.window_len > 0) and not padded and not spec.has_segment_ids
 
 
-def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool):
+def _within_span(lo, hi, span, block: int):
+  """[lo, hi) of tiles of ``block`` positions narrowed to the tiles that meet
+  the positions [span_lo, span_hi) (no change when span is None)."""
+  if span is None:
+    return lo, hi
+  span_lo, span_hi = span
+  return jnp.maximum(lo, _div(span_lo, block)), jnp.minimum(hi, _ceil_div(span_hi, block))
+
+
+def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool, span=None):
   """(lo, full_lo, full_hi, hi): the key tiles a query tile visits, and the
   sub-range [full_lo, full_hi) whose every (query, key) pair is visible
-  (full_lo is None when the loop is not split)."""
-  lo, hi = kv_block_range(spec, q_start, block_q, block_kv)
+  (full_lo is None when the loop is not split). ``span``: the positions
+  [lo, hi) that share a segment with some query of the tile (segment ids)."""
+  lo, hi = _within_span(*kv_block_range(spec, q_start, block_q, block_kv), span, block_kv)
   if not _split(spec, padded):
     return lo, None, None, hi
   full_lo, full_hi = lo, hi
@@ -233,9 +243,9 @@ def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool):
   return lo, full_lo, jnp.maximum(full_hi, full_lo), hi
 
 
-def q_tiles(spec: StaticSpec, k_start, block_q, block_kv, padded: bool):
+def q_tiles(spec: StaticSpec, k_start, block_q, block_kv, padded: bool, span=None):
   """(lo, full_lo, full_hi, hi) of query tiles for a key tile; see kv_tiles."""
-  lo, hi = q_block_range(spec, k_start, block_q, block_kv)
+  lo, hi = _within_span(*q_block_range(spec, k_start, block_q, block_kv), span, block_q)
   if not _split(spec, padded):
     return lo, None, None, hi
   full_lo, full_hi = lo, hi
