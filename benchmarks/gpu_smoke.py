@@ -1,5 +1,8 @@
 """Compiled-kernel smoke check on a GPU: every feature once, against the
-reference, plus a poisoned-output check; prints one line per case."""
+reference; prints one line per case.
+
+``python -m benchmarks.gpu_smoke [N ...]`` runs only the cases numbered N
+(from 1, in CASES order), to fit a device call's time limit."""
 
 import sys
 
@@ -27,10 +30,13 @@ CASES = [
 ]
 
 
-def main():
+def main(argv=None):
+  picked = [int(n) for n in (sys.argv[1:] if argv is None else argv)]
   print("devices:", jax.devices(), "x64:", jax.config.jax_enable_x64)
   bad = 0
-  for c in CASES:
+  for number, c in enumerate(CASES, 1):
+    if picked and number not in picked:
+      continue
     rng = np.random.default_rng(0)
     kw = dict(c["kw"])
     mk = lambda h: jnp.asarray(rng.normal(size=(c["b"], c["t"], h, c["d"])), c["dtype"])
@@ -53,11 +59,11 @@ def main():
       tol = 3e-2 if c["dtype"] != jnp.float32 else 1e-4
       ok = finite and max(errs) < tol
       bad += not ok
-      print(("OK  " if ok else "BAD ") + f"{c['dtype'].__name__} t={c['t']} d={c['d']} {c['kw']} "
+      print(("OK  " if ok else "BAD ") + f"{number}: {c['dtype'].__name__} t={c['t']} d={c['d']} {c['kw']} "
             f"rel errs out/lse/dq/dk/dv: " + " ".join(f"{e:.1e}" for e in errs), flush=True)
     except Exception as exc:  # noqa: BLE001
       bad += 1
-      print(f"ERR {c}: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
+      print(f"ERR {number}: {c}: {type(exc).__name__}: {str(exc)[:2000]}", flush=True)
   sys.exit(1 if bad else 0)
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import fast_math
 from .contract import StaticSpec
 
 # Logits are carried in base-2 units (x * log2 e) so the kernels use exp2,
@@ -152,7 +153,7 @@ def exp2_shifted(logits: Logits, shift):
   is one value per row, or a static float (fixed_shift)."""
   if not isinstance(shift, float):
     shift = shift[:, None]
-  return jnp.exp2(logits.scores * logits.scale - shift)
+  return fast_math.exp2(logits.scores * logits.scale - shift)
 
 
 def probabilities(logits: Logits, lse2):
