@@ -32,6 +32,16 @@ def _label(cfg_tuple):
   return " ".join(str(x) for x in cfg_tuple)
 
 
+def _report_best(prefix, times):
+  """Prints each candidate's time (or its failure) and returns (name, ms) of the fastest."""
+  for n, ms in times.items():
+    print(f"{prefix} {n}: " + (f"{ms:.3f} ms" if isinstance(ms, float) else type(ms).__name__),
+          flush=True)
+  timed = {n: ms for n, ms in times.items() if isinstance(ms, float)}
+  best = min(timed, key=timed.get)
+  return best, timed[best]
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--json", default="tune.json")
@@ -54,27 +64,18 @@ def main():
 
     fwd_cfgs = {_label(c): KernelConfig(block_q=c[0], block_kv=c[1], num_warps=c[2],
                                         num_stages=c[3]) for c in FWD}
-    fwd = time_interleaved({n: jax.jit(attention_with(c)) for n, c in fwd_cfgs.items()},
-                           (q, k, v), args.repeats)
-    for n, ms in fwd.items():
-      print(f"{name} fwd {n}: " + (f"{ms:.3f} ms" if isinstance(ms, float) else type(ms).__name__),
-            flush=True)
-    timed = {n: ms for n, ms in fwd.items() if isinstance(ms, float)}
-    best = min(timed, key=timed.get)
-    row = {"head_dim": d, "causal": causal, "cap": cap, "fwd_ms": timed[best],
+    best, best_ms = _report_best(f"{name} fwd", time_interleaved(
+        {n: jax.jit(attention_with(c)) for n, c in fwd_cfgs.items()}, (q, k, v), args.repeats))
+    row = {"head_dim": d, "causal": causal, "cap": cap, "fwd_ms": best_ms,
            "config": dataclasses.asdict(fwd_cfgs[best])}
     if not args.fwd_only:
       bwd_cfgs = {_label(c): dataclasses.replace(
           fwd_cfgs[best], block_q_dq=c[0], block_kv_dq=c[1], block_q_dkv=c[2], block_kv_dkv=c[3],
           num_warps_bwd=c[4], num_stages_bwd=c[5]) for c in BWD}
-      bwd = time_interleaved({n: _fwd_bwd(attention_with(c)) for n, c in bwd_cfgs.items()},
-                             (q, k, v), args.repeats)
-      for n, ms in bwd.items():
-        print(f"{name} fwd+bwd {n}: " + (f"{ms:.3f} ms" if isinstance(ms, float)
-                                          else type(ms).__name__), flush=True)
-      timed = {n: ms for n, ms in bwd.items() if isinstance(ms, float)}
-      best_b = min(timed, key=timed.get)
-      row.update(fwd_bwd_ms=timed[best_b], config=dataclasses.asdict(bwd_cfgs[best_b]))
+      best_b, best_b_ms = _report_best(f"{name} fwd+bwd", time_interleaved(
+          {n: _fwd_bwd(attention_with(c)) for n, c in bwd_cfgs.items()}, (q, k, v),
+          args.repeats))
+      row.update(fwd_bwd_ms=best_b_ms, config=dataclasses.asdict(bwd_cfgs[best_b]))
     results.append(row)
     print("BEST", row, flush=True)
   with open(args.json, "w") as f:
