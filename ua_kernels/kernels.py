@@ -119,6 +119,13 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
 
   q/do refs hold the G query heads of the group ([T, G, D]); lse2/delta/temp
   refs [G, T]. The group sum happens in registers, no repeated K/V.
+
+  The loop over query tiles is the outer one and the heads of the group the
+  inner one, so the float32 accumulators receive each query tile's terms of all
+  heads together, in the order a single head would: with the heads outside, the
+  small terms of a head's long early rows were added to a total already holding
+  the large terms of the previous heads' short late rows (a non-causal window),
+  and dk/dv lost precision in proportion to the group size (docs/DEFECTS.md, G1).
   """
   k_start = pl.program_id(0) * block_kv
   k = k_ref[...]
@@ -128,11 +135,12 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
   tiles = q_tiles(spec, k_start, block_q, block_kv, padded,
                   _segment_span(span_ref, k_start, block_kv))
 
-  def head(g, carry):
-    def body(q_block, carry, masked):
+  def body(q_block, carry, masked):
+    q_start = q_block * block_q
+    rows = pl.ds(q_start, block_q)
+
+    def head(g, carry):
       dk, dv = carry
-      q_start = q_block * block_q
-      rows = pl.ds(q_start, block_q)
       q = q_ref[rows, g, :]
       do = do_ref[rows, g, :]
       lse2 = lse2_ref[g, rows]
@@ -150,9 +158,9 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
       dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
       return dk, dv
 
-    return tile_loop(tiles, body, carry)
+    return lax.fori_loop(0, spec.group_size, head, carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = lax.fori_loop(0, spec.group_size, head, (zeros, zeros))
+  dk, dv = tile_loop(tiles, body, (zeros, zeros))
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
