@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gzip
 import json
 import time
@@ -19,7 +20,7 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from .impls import load_impl, unsupported
+from .capabilities import load_impl
 from .runner import baseline, evaluate
 from .strategies import BUCKETS, cases
 from .tolerance import ALPHA, FLOOR, OUTPUTS
@@ -33,9 +34,8 @@ def collect(impl, n: int, buckets, seed: int, log=print):
             phases=[Phase.generate], suppress_health_check=list(HealthCheck))
   @given(st.data())
   def run(data):
-    case = data.draw(cases(buckets, unsupported(impl)))
-    case = case.__class__(**{**case.to_dict(), "seed": case.seed ^ seed,
-                             "cap_params": case.cap_params, "blocks": case.blocks})
+    case = data.draw(cases(buckets, impl))
+    case = dataclasses.replace(case, seed=case.seed ^ seed)
     result = evaluate(impl, case)
     oracle, bounds = baseline(case)
     for name in OUTPUTS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import platform
 from typing import Any
 
@@ -16,7 +17,11 @@ FEATURES = ("causal", "window", "segment_ids", "cap", "temperature", "z_loss",
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """Static configuration plus the seed the tensors are drawn from."""
+  """Static configuration plus the seed the tensors are drawn from.
+
+  ``tiles`` = (block_q, block_kv) is handed to an implementation that declares
+  ``ua_config`` (docs/PLUGINS.md); None runs its own default tiles.
+  """
 
   batch: int
   seq_len: int
@@ -34,7 +39,7 @@ class Case:
   z_loss_weight: float = 0.0
   return_lse: bool = False
   distribution: str = "normal"    # normal | large | ties | saturating
-  blocks: tuple[int, ...] | None = None
+  tiles: tuple[int, int] | None = None
   seed: int = 0
 
   def features(self) -> set[str]:
@@ -66,6 +71,10 @@ class Case:
     groups.append(f"dtype:{self.dtype}")
     return groups
 
+  def static_key(self) -> tuple:
+    """Everything but the seed: cases with equal keys share compiled callables."""
+    return dataclasses.astuple(dataclasses.replace(self, seed=0))
+
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
@@ -73,8 +82,15 @@ class Case:
   def from_dict(cls, data: dict[str, Any]) -> "Case":
     data = dict(data)
     data["cap_params"] = tuple(data.get("cap_params", ()))
-    if data.get("blocks") is not None:
-      data["blocks"] = tuple(data["blocks"])
+    if "blocks" in data:  # files written before tiles: (bq, bkv, bkv, bq, bq, bkv) or null
+      blocks = data.pop("blocks")
+      if blocks is not None:
+        bq, bkv = blocks[0], blocks[1]
+        if tuple(blocks) != (bq, bkv, bkv, bq, bq, bkv):
+          raise ValueError(f"case file blocks {blocks} are not a (block_q, block_kv) pair")
+        data["tiles"] = (bq, bkv)
+    if data.get("tiles") is not None:
+      data["tiles"] = tuple(data["tiles"])
     return cls(**data)
 
   def digest(self) -> str:
@@ -85,17 +101,27 @@ def versions() -> dict[str, str]:
   import hypothesis
   import jax
   import jaxlib
-  return {"python": platform.python_version(), "jax": jax.__version__,
-          "jaxlib": jaxlib.__version__, "numpy": np.__version__,
-          "hypothesis": hypothesis.__version__, "backend": jax.default_backend()}
+  out = {"python": platform.python_version(), "jax": jax.__version__,
+         "jaxlib": jaxlib.__version__, "numpy": np.__version__,
+         "hypothesis": hypothesis.__version__, "backend": jax.default_backend()}
+  if out["backend"] == "gpu":
+    out["device"] = jax.devices()[0].device_kind
+  return out
 
 
-def save_case_file(path, case: Case, prop: str, impl: str, errors: dict,
-                   message: str = "") -> None:
-  payload = {"property": prop, "impl": impl, "case": case.to_dict(),
-             "versions": versions(), "errors": errors, "message": message}
-  with open(path, "w") as f:
+def write_case_file(path, case: Case, prop: str, impl: str, *, status: str,
+                    errors=(), message: str = "", imports=(), replay: str = "") -> None:
+  """Writes (atomically) one case file. ``status``: running (written before the
+  case runs, so that a crash leaves it behind), failed, harness (the oracle or
+  reference raised), crashed or timeout."""
+  payload = {"property": prop, "impl": impl, "case": case.to_dict(), "status": status,
+             "versions": versions(), "errors": list(errors), "message": message,
+             "imports": list(imports), "replay": replay,
+             "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "pid": os.getpid()}
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "w") as f:
     json.dump(payload, f, indent=1, sort_keys=True, default=float)
+  os.replace(tmp, path)
 
 
 def load_case_file(path) -> dict[str, Any]:

@@ -1,21 +1,16 @@
-"""The properties. Each takes (impl, case) and raises PropertyFailure.
-
-``run_property`` wraps them for pytest, the CLIs and the fuzzer: it records the
-outcome for the ua-verify report, and on failure writes a case file and puts
-the one command that replays it into the error message.
+"""The properties. Each takes (impl, case) and returns the comparisons it
+made, raising PropertyFailure when one is out of tolerance. properties/registry.py
+says which cases each applies to; properties/verifier.py runs them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import time
 
-import hypothesis
 import numpy as np
 
-from .case import Case, save_case_file
+from .capabilities import Implementation
+from .case import Case
 from .inputs import logit_scale, make_inputs
 from .runner import baseline, evaluate, evaluate_forward, score
 from .tolerance import OutputError, compare, error_table
@@ -111,36 +106,46 @@ def packed_equals_separate(impl, case: Case):
   return errors
 
 
-def hidden_keys_do_not_leak(impl, case: Case):
-  """Poisoning keys/values hidden from a set of queries leaves those rows alone.
+def hidden_key_sets(case: Case, segment_ids=None):
+  """(rows, poison): [B, T] bool masks of queries and of keys none of those
+  queries can see, or None when the case hides no key from any query.
 
-  Poison: huge finite keys and values (1e4 in 16-bit, 1e30 in float32 values).
-  Hidden sets: with segments, the last document's keys (hidden from all other
-  documents); else with causal, the last quarter of keys (hidden from earlier
-  queries); else with a window, the first keys (hidden from queries beyond the
-  window).
+  With segments, the last document's keys (hidden from the other documents);
+  else with causal, the last quarter of keys (hidden from earlier queries);
+  else with a window shorter than T, the first keys (hidden from queries
+  beyond the window).
   """
-  inputs = make_inputs(case)
   t = case.seq_len
-  rows = np.zeros((case.batch, t), bool)      # queries that must not see the poison
-  poison = np.zeros((case.batch, t), bool)    # poisoned key positions
-  if inputs["segment_ids"] is not None:
-    seg = inputs["segment_ids"]
+  rows = np.zeros((case.batch, t), bool)
+  poison = np.zeros((case.batch, t), bool)
+  if case.segments != "none":
+    seg = make_inputs(case)["segment_ids"] if segment_ids is None else segment_ids
     poison = seg == seg[:, -1:]
     rows = ~poison
   elif case.causal:
     cut = t - max(1, t // 4)
     poison[:, cut:] = True
     rows[:, :cut] = True
-  elif case.window_len:
+  elif 0 < case.window_len < t:
     # Keys [0, c) are hidden from queries i >= c - 1 + window_len.
-    c = max(1, t // 4)
+    c = max(1, (t - case.window_len) // 2)
     poison[:, :c] = True
     rows[:, c - 1 + case.window_len:] = True
-  else:
-    raise ValueError("hidden-key property needs segments, causal or a window")
-  if not rows.any():
-    return []
+  return (rows, poison) if rows.any() else None
+
+
+def hidden_keys_do_not_leak(impl, case: Case):
+  """Poisoning keys/values hidden from a set of queries leaves those rows alone.
+
+  Poison: huge finite keys and values (1e4 in 16-bit, 1e30 in float32 values),
+  on the keys of hidden_key_sets.
+  """
+  inputs = make_inputs(case)
+  sets = hidden_key_sets(case, inputs["segment_ids"])
+  if sets is None:
+    raise ValueError("hidden_keys_do_not_leak needs a case that hides some key "
+                     "(registry: applies)")
+  rows, poison = sets
   huge_v = 1e30 if case.dtype == "float32" else 1e4
   bad_inputs = dict(inputs)
   for name, value in (("k", 1e4 if case.dtype != "float32" else 1e6), ("v", huge_v)):
@@ -163,7 +168,7 @@ def hidden_keys_do_not_leak(impl, case: Case):
   return errors
 
 
-def _same_call(impl, case: Case, other: Case, what: str, slack: float = 2.0):
+def _same_call(impl: Implementation, case: Case, other: Case, what: str, slack: float = 2.0):
   return _require(score(case, evaluate(impl, other), expected=evaluate(impl, case),
                         slack=slack), what)
 
@@ -178,17 +183,20 @@ def zero_z_loss_is_no_z_loss(impl, case: Case):
 
 
 def unit_temperature_is_none(impl, case: Case):
+  """A temperature of ones equals no temperature."""
   return _same_call(impl, _replace(case, temperature="none"), _replace(case, temperature="ones"),
                     "temperature of ones differs from temperature=None")
 
 
 def huge_tanh_cap_is_no_cap(impl, case: Case):
+  """A tanh cap 10^4 times the logits' scale equals no cap."""
   capped = _replace(case, cap_method="tanh", cap_params=(1e4 * logit_scale(case),))
   return _same_call(impl, _replace(case, cap_method="none", cap_params=()), capped,
                     "a huge tanh cap differs from no cap")
 
 
 def window_covering_sequence_is_no_window(impl, case: Case):
+  """A window at least as long as the sequence equals no window."""
   return _same_call(impl, _replace(case, window_len=0),
                     _replace(case, window_len=case.seq_len + case.seed % 5),
                     "window_len >= T differs from no window")
@@ -217,55 +225,9 @@ def deterministic(impl, case: Case):
   """Two identical calls are bit-identical."""
   inputs = make_inputs(case)
   first, second = evaluate(impl, case, inputs), evaluate(impl, case, inputs)
-  for name, x in first.items():
-    if x is not None and not np.array_equal(x, second[name], equal_nan=True):
-      raise PropertyFailure(f"two identical calls differ in {name}")
-  return []
-
-
-PROPERTIES = {f.__name__: f for f in (
-    matches_oracle, key_permutation_invariance, packed_equals_separate,
-    hidden_keys_do_not_leak, zero_z_loss_is_no_z_loss, unit_temperature_is_none,
-    huge_tanh_cap_is_no_cap, window_covering_sequence_is_no_window,
-    gqa_equals_repeated_heads, deterministic)}
-
-
-# --------------------------------------------------------------------------- #
-# Recording and replay.
-
-FAILURE_DIR = os.environ.get("UA_FAILURE_DIR", "ua-failures")
-
-
-def _record(prop: str, case: Case, errors, passed: bool, seconds: float):
-  report_dir = os.environ.get("UA_REPORT_DIR")
-  if not report_dir:
-    return
-  ratio = max((e.ratio for e in errors), default=0.0)
-  line = {"property": prop, "groups": case.groups(), "passed": passed,
-          "ratio": ratio if np.isfinite(ratio) else 1e300, "seconds": seconds}
-  with open(os.path.join(report_dir, f"results-{os.getpid()}.jsonl"), "a") as f:
-    f.write(json.dumps(line) + "\n")
-
-
-def run_property(prop: str, impl, impl_name: str, case: Case):
-  """Runs one property; on failure saves the case and names the replay command."""
-  start = time.perf_counter()
-  try:
-    errors = PROPERTIES[prop](impl, case)
-  except Exception as exc:  # noqa: BLE001 -- any failure is a finding
-    errors = getattr(exc, "errors", [])
-    _record(prop, case, errors, False, time.perf_counter() - start)
-    os.makedirs(FAILURE_DIR, exist_ok=True)
-    path = os.path.join(FAILURE_DIR, f"{prop}-{case.digest()}.json")
-    save_case_file(path, case, prop, impl_name, [e.to_dict() for e in errors],
-                   f"{type(exc).__name__}: {exc}")
-    imports = os.environ.get("UA_IMPORT")
-    replay = f"ua-repro {path} --impl {impl_name}" + (f" --import {imports}" if imports else "")
-    raise AssertionError(
-        f"{prop} failed for {impl_name} on {case}\n{type(exc).__name__}: {exc}\n"
-        f"replay: {replay}") from exc
-  ratio = max((e.ratio for e in errors), default=0.0)
-  if hypothesis.currently_in_test_context() and np.isfinite(ratio):
-    hypothesis.target(float(ratio), label="error/tolerance")
-  _record(prop, case, errors, True, time.perf_counter() - start)
+  errors = [compare(name, second[name], x, 0.0, 0.0) for name, x in first.items()
+            if x is not None]
+  for e in errors:
+    if not np.array_equal(first[e.name], second[e.name], equal_nan=True):
+      raise PropertyFailure(f"two identical calls differ in {e.name}", errors)
   return errors

@@ -1,31 +1,109 @@
-"""Command-line entry points: ua-verify, ua-repro, ua-fuzz."""
+"""Command-line entry points: ua-verify, ua-repro, ua-fuzz.
+
+They work from an installed package in any directory: ua-verify runs the
+installed suite module (``pytest --pyargs properties.suite``) through the
+installed plugin (properties/plugin.py).
+"""
 
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
+import importlib
 import json
 import os
+import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+DEFAULT_IMPL = "ua_kernels:attention"
+PROFILE_NAMES = ("ci", "dev", "fuzz", "gpu")
 
 
-def _import_modules(names):
-  """--import: modules that register cap methods; also passed to pytest."""
-  import importlib
-  names = [n for n in (names or "").split(",") if n]
-  for name in names:
+def _imports(names: str) -> tuple[str, ...]:
+  """--import: modules that register cap methods, imported here."""
+  modules = tuple(n.strip() for n in (names or "").split(",") if n.strip())
+  for name in modules:
     importlib.import_module(name)
-  if names:
-    os.environ["UA_IMPORT"] = ",".join(filter(None, [os.environ.get("UA_IMPORT"), *names]))
+  return modules
+
+
+def _worker_args(args) -> list[str]:
+  """pytest-xdist arguments: ``--gpus N`` gives each GPU its own group of
+  workers, each pinned with CUDA_VISIBLE_DEVICES before it imports jax and
+  holding a share of its GPU's memory; else ``-n``."""
+  if args.gpus:
+    per_gpu = args.workers_per_gpu
+    env = ("//env:XLA_PYTHON_CLIENT_PREALLOCATE=false"
+           f"//env:XLA_PYTHON_CLIENT_MEM_FRACTION={0.9 / per_gpu:.3f}")
+    out = []
+    for gpu in range(args.gpus):
+      out += ["--tx", f"{per_gpu}*popen//env:CUDA_VISIBLE_DEVICES={gpu}{env}"]
+    return out + ["--dist", "load", "--max-worker-restart", "1000"]
+  if args.workers in ("0", 0):
+    return []
+  return ["-n", str(args.workers), "--max-worker-restart", "1000"]
+
+
+def verify_main(argv=None) -> int:
+  """ua-verify: runs every property of the suite and prints a report by feature group."""
+  parser = argparse.ArgumentParser(prog="ua-verify", description=verify_main.__doc__)
+  parser.add_argument("--impl", default=DEFAULT_IMPL, help="implementation, module:function")
+  parser.add_argument("--profile", default="ci", choices=PROFILE_NAMES)
+  parser.add_argument("--report", default="ua-report.json", help="JSON report path")
+  parser.add_argument("-n", "--workers", default="auto",
+                      help="pytest-xdist workers ('0' for none); ignored with --gpus")
+  parser.add_argument("--gpus", type=int, default=0,
+                      help="spread the workers over this many GPUs (one group per GPU)")
+  parser.add_argument("--workers-per-gpu", type=int, default=6)
+  parser.add_argument("--minutes", type=float, default=None,
+                      help="time box: tests not started within it are skipped")
+  parser.add_argument("--case-timeout", type=float, default=None,
+                      help="seconds after which a case counts as hung (gpu profile: 900)")
+  parser.add_argument("--failures", default="ua-failures", help="directory of case files")
+  parser.add_argument("--database", default=None, help="Hypothesis example database")
+  parser.add_argument("--shared-database", default=None,
+                      help="read-only example database combined with --database")
+  parser.add_argument("--compile-cache", default=None,
+                      help="JAX persistent compilation cache (gpu profile: .ua-jax-cache)")
+  parser.add_argument("--import", dest="imports", default="",
+                      help="comma-separated modules that register cap methods")
+  parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+  args = parser.parse_args(argv)
+  _imports(args.imports)
+  from .capabilities import load_impl
+  load_impl(args.impl)  # a clear error now, not one per worker
+  import pytest
+
+  gpu = args.profile == "gpu"
+  timeout = args.case_timeout if args.case_timeout is not None else (900.0 if gpu else None)
+  cache = args.compile_cache or (".ua-jax-cache" if gpu else None)
+  pytest_args = ["--pyargs", "properties.suite", "-q", "-p", "no:cacheprovider",
+                 f"--impl={args.impl}", f"--hypothesis-profile=ua-{args.profile}",
+                 f"--ua-report={args.report}", f"--ua-failures={args.failures}",
+                 *_worker_args(args)]
+  for flag, value in (("--ua-import", args.imports), ("--ua-minutes", args.minutes),
+                      ("--ua-case-timeout", timeout), ("--ua-database", args.database),
+                      ("--ua-shared-database", args.shared_database),
+                      ("--ua-compile-cache", cache)):
+    if value:
+      pytest_args.append(f"{flag}={value}")
+  if os.path.exists(args.report):
+    os.remove(args.report)
+  start = time.time()
+  code = pytest.main(pytest_args + args.pytest_args)
+  report = {}
+  if os.path.exists(args.report):
+    with open(args.report) as f:
+      report = json.load(f)
+  problems = sum(r["failures"] + r["harness_errors"] for r in report.get("properties", {}).values())
+  verdict = "PASS" if code == 0 and problems == 0 and report.get("cases") else "FAIL"
+  print(f"\n{verdict}: {args.impl}, profile {args.profile}, {report.get('cases', 0)} cases "
+        f"in {time.time() - start:.0f} s; report written to {args.report}")
+  return 0 if verdict == "PASS" else 1
 
 
 def repro_main(argv=None) -> int:
-  """ua-repro CASE.json [--impl module:function]: replays one saved case."""
+  """ua-repro CASE.json [--impl module:function]: replays one saved case here."""
   parser = argparse.ArgumentParser(prog="ua-repro", description=repro_main.__doc__)
   parser.add_argument("case_file")
   parser.add_argument("--impl", default=None,
@@ -33,147 +111,130 @@ def repro_main(argv=None) -> int:
   parser.add_argument("--import", dest="imports", default="",
                       help="comma-separated modules that register cap methods")
   args = parser.parse_args(argv)
-  _import_modules(args.imports)
   from .case import load_case_file, versions
-  from .checks import PROPERTIES, PropertyFailure
-  from .impls import DEFAULT_IMPL, load_impl
+  payload = load_case_file(args.case_file)
+  _imports(",".join([args.imports] + list(payload.get("imports", ()))))
+  from .capabilities import load_impl
+  from .checks import PropertyFailure
+  from .registry import get
   from .tolerance import error_table
 
-  payload = load_case_file(args.case_file)
   impl_name = args.impl or payload.get("impl") or DEFAULT_IMPL
-  prop = payload.get("property", "matches_oracle")
-  case = payload["case"]
-  print(f"case: {case}\nproperty: {prop}\nimpl: {impl_name}\nrecorded with: "
-        f"{payload.get('versions')}\nnow: {versions()}")
+  prop, case = get(payload.get("property", "matches_oracle")), payload["case"]
+  recorded, now = payload.get("versions", {}), versions()
+  where = now.get("device", now["backend"])
+  print(f"case: {case}\nproperty: {prop.name}\nimpl: {impl_name}\n"
+        f"recorded: status {payload.get('status', 'failed')} on {recorded.get('device', recorded.get('backend'))}"
+        f" {recorded}\nnow: {now}")
+  if payload.get("status") in ("crashed", "timeout", "running"):
+    print(f"note: this case {payload['status']} its worker when recorded; it may do so here")
   try:
-    errors = PROPERTIES[prop](load_impl(impl_name), case)
+    errors = prop.check(load_impl(impl_name), case)
   except PropertyFailure as exc:
-    print(f"FAIL\n{exc}")
+    print(f"FAIL: reproduces on {where}\n{exc}")
     return 1
-  except Exception as exc:  # noqa: BLE001 -- the implementation itself raised
-    print(f"FAIL: the implementation raised {type(exc).__name__}: {exc}")
+  except Exception as exc:  # noqa: BLE001 -- the implementation (or the harness) raised
+    print(f"FAIL: reproduces on {where}: raised {type(exc).__name__}: {exc}")
     return 1
-  print(error_table(errors) if errors else "(no numeric outputs)")
-  print("PASS")
+  print(error_table(errors) if errors else "(no comparison)")
+  print(f"PASS: does not reproduce on {where}" +
+        (f" (recorded on {recorded.get('device', recorded.get('backend'))})"
+         if recorded.get("backend") != now["backend"] else ""))
   return 0
 
 
-def _pytest_args(impl, profile, extra):
-  return [str(REPO / "tests" / "test_properties.py"), "-q", "-p", "no:cacheprovider",
-          f"--impl={impl}", f"--hypothesis-profile={profile}", *extra]
-
-
-def _report(report_dir: str) -> dict:
-  rows = collections.defaultdict(lambda: {"cases": 0, "failures": 0, "worst_ratio": 0.0})
-  props = collections.defaultdict(lambda: {"cases": 0, "failures": 0, "worst_ratio": 0.0})
-  for path in glob.glob(os.path.join(report_dir, "results-*.jsonl")):
-    with open(path) as f:
-      for line in f:
-        r = json.loads(line)
-        targets = [rows[g] for g in r["groups"]] + [props[r["property"]]]
-        for row in targets:
-          row["cases"] += 1
-          row["failures"] += 0 if r["passed"] else 1
-          row["worst_ratio"] = max(row["worst_ratio"], r["ratio"])
-  return {"feature_groups": dict(sorted(rows.items())), "properties": dict(sorted(props.items()))}
-
-
-def _print_table(title, table):
-  print(f"\n{title:40} {'cases':>6} {'failures':>8} {'worst err/tol':>14}")
-  for name, row in table.items():
-    ratio = "inf" if row["worst_ratio"] >= 1e300 else f"{row['worst_ratio']:.3f}"
-    print(f"{name:40} {row['cases']:6d} {row['failures']:8d} {ratio:>14}")
-
-
-def verify_main(argv=None) -> int:
-  """ua-verify: runs every property and prints a report by feature group."""
-  parser = argparse.ArgumentParser(prog="ua-verify", description=verify_main.__doc__)
-  parser.add_argument("--impl", default="ua_kernels:attention")
-  parser.add_argument("--profile", default="ci", choices=["ci", "dev", "fuzz", "gpu"])
-  parser.add_argument("--report", default="ua-report.json", help="JSON report path")
-  parser.add_argument("-n", "--workers", default="auto",
-                      help="pytest-xdist workers ('0' for none)")
-  parser.add_argument("--import", dest="imports", default="",
-                      help="comma-separated modules that register cap methods")
-  args = parser.parse_args(argv)
-  _import_modules(args.imports)
-  import pytest
-
-  from .case import versions
-  start = time.time()
-  with tempfile.TemporaryDirectory() as report_dir:
-    os.environ["UA_REPORT_DIR"] = report_dir
-    extra = [] if args.workers == "0" else ["-n", args.workers]
-    code = pytest.main(_pytest_args(args.impl, args.profile, extra))
-    report = _report(report_dir)
-  report.update(impl=args.impl, profile=args.profile, exit_code=int(code),
-                seconds=round(time.time() - start, 1), versions=versions())
-  _print_table("feature group", report["feature_groups"])
-  _print_table("property", report["properties"])
-  with open(args.report, "w") as f:
-    json.dump(report, f, indent=1)
-  failures = sum(r["failures"] for r in report["properties"].values())
-  verdict = "PASS" if code == 0 and failures == 0 else "FAIL"
-  print(f"\n{verdict}: {args.impl}, profile {args.profile}, {report['seconds']} s; "
-        f"report written to {args.report}")
-  return 0 if verdict == "PASS" else 1
+def _derivative_hint(case, failed_outputs) -> str:
+  """What a capped case failing in dq/dk alone points to."""
+  grads = {"dq", "dk"}
+  if case.cap_method != "none" and set(failed_outputs) and set(failed_outputs) <= grads:
+    return (f"\nhint: dq/dk fail while out/dv pass on a {case.cap_method!r}-capped case: "
+            f"the cap's hand-written derivative is the likely cause")
+  return ""
 
 
 def fuzz_main(argv=None) -> int:
-  """ua-fuzz --cap NAME --minutes M: a randomized campaign on one cap method."""
+  """ua-fuzz --cap NAME --minutes M: a randomized campaign on one cap method.
+
+  First checks the method itself (derivative against autodiff, declared
+  bounds and homogeneity, the implementation's own forms); then draws
+  attention cases with that cap until the time is up or a failure is found,
+  which is reported once, with its replay command.
+  """
   parser = argparse.ArgumentParser(prog="ua-fuzz", description=fuzz_main.__doc__)
   parser.add_argument("--cap", required=True)
   parser.add_argument("--minutes", type=float, default=5.0)
-  parser.add_argument("--impl", default="ua_kernels:attention")
+  parser.add_argument("--impl", default=DEFAULT_IMPL)
   parser.add_argument("--out", default="ua-failures", help="where failing cases go")
-  parser.add_argument("--buckets", default="dev", choices=["ci", "dev", "gpu"])
+  parser.add_argument("--profile", default="dev", choices=PROFILE_NAMES,
+                      help="whose shape buckets to draw from")
   parser.add_argument("--import", dest="imports", default="",
                       help="comma-separated modules that register cap methods")
   args = parser.parse_args(argv)
-  _import_modules(args.imports)
+  imports = _imports(args.imports)
   from hypothesis import HealthCheck, Phase, given, settings
   from hypothesis import strategies as st
   from hypothesis.database import DirectoryBasedExampleDatabase
 
-  from ua_kernels.cap_functions import get_cap_method
-  from . import checks
-  from .impls import load_impl, unsupported
-  from .strategies import BUCKETS, cases
+  from ua_reference.caps import get_cap_method
+  from .cap_checks import precheck
+  from .capabilities import load_impl
+  from .profiles import PROFILES
+  from .registry import PROPERTIES
+  from .strategies import cases
+  from .verifier import CaseFailure, Verifier
 
-  get_cap_method(args.cap)
+  method = get_cap_method(args.cap)
   impl = load_impl(args.impl)
-  if args.cap != "none" and "cap" in unsupported(impl):
+  if args.cap != "none" and "cap" in impl.unsupported:
     parser.error(f"{args.impl} declares cap methods unsupported")
-  os.environ["UA_FAILURE_DIR"] = args.out
-  checks.FAILURE_DIR = args.out
+  forms = impl.cap_forms(method.name) if impl.cap_forms else None
+  print(f"checking cap method {method.name!r} (derivative, bounds, homogeneity, "
+        f"{'the implementation form' if forms else 'no implementation form'})...", flush=True)
+  problem = precheck(method.name, forms)
+  if problem:
+    print(f"FAIL: {problem}")
+    return 1
+  print("cap method consistent with its declarations", flush=True)
+
+  # Properties that a case capped with this method can exercise: those needing
+  # no feature but the cap, and not replacing the cap with another method.
+  usable = [p for p in PROPERTIES if not (set(p.require) - {"cap"}) and not
+            (p.any_of and p.any_of <= impl.unsupported) and p.uses_cap_method is None]
+  buckets = PROFILES[args.profile].buckets
+  verifier = Verifier(impl, args.out, imports)
   deadline = time.time() + 60 * args.minutes
-  strategy = cases(BUCKETS[args.buckets], unsupported(impl), cap=args.cap)
-  failures, rounds = [], 0
+  ran = 0
 
-  @settings(max_examples=20, deadline=None, derandomize=False,
+  @st.composite
+  def drawn(draw):
+    prop = draw(st.sampled_from([p for p in usable if p.oracle] * 4 + usable))
+    case = draw(cases(buckets, impl, prop.require, prop.forbid, prop.any_of,
+                      cap=args.cap).filter(prop.applies))
+    return prop, case
+
+  # Rounds of fresh random examples until the time is up; a failure saved by
+  # an earlier campaign replays first (and is reported, once, like a new one).
+  @settings(max_examples=25, deadline=None, derandomize=False,
             database=DirectoryBasedExampleDatabase(f".hypothesis/ua-fuzz-{args.cap}"),
-            phases=[Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+            phases=[Phase.reuse, Phase.generate, Phase.target],
             suppress_health_check=list(HealthCheck))
-  @given(case=strategy, prop=st.sampled_from(["matches_oracle"] * 4 + [
-      "gqa_equals_repeated_heads", "hidden_keys_do_not_leak", "deterministic"]))
-  def campaign(case, prop):
-    if prop == "gqa_equals_repeated_heads" and case.num_q_heads == case.num_kv_heads:
-      prop = "matches_oracle"
-    if prop == "hidden_keys_do_not_leak" and not (case.causal or case.window_len
-                                                  or case.segments != "none"):
-      prop = "matches_oracle"
-    checks.run_property(prop, impl, args.impl, case)
+  @given(drawn())
+  def campaign(item):
+    nonlocal ran
+    if time.time() < deadline:
+      ran += 1
+      verifier.check(*item)
 
-  while time.time() < deadline:
-    rounds += 1
-    try:
+  try:
+    while time.time() < deadline:
       campaign()
-    except AssertionError as exc:
-      failures.append(str(exc).splitlines()[-1])
-      print(f"round {rounds}: FAILURE\n{exc}\n", flush=True)
-    else:
-      print(f"round {rounds}: 20 examples passed", flush=True)
-  print(f"\nua-fuzz --cap {args.cap}: {rounds} rounds, {len(failures)} failing case(s)")
-  for line in failures:
-    print("  " + line)
-  return 1 if failures else 0
+  except CaseFailure as exc:
+    print(f"\nFAIL after {ran} case(s):\n{exc}{_derivative_hint(exc.case, exc.failed_outputs)}")
+    print(f"\nua-fuzz --cap {args.cap}: stopped at the first failure")
+    return 1
+  print(f"\nua-fuzz --cap {args.cap}: {ran} cases in {args.minutes:g} min, no failure")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(verify_main())

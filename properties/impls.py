@@ -1,63 +1,99 @@
-"""Implementations under test: loading ``module:function`` and adapters."""
+"""Adapters: other attention implementations behind the contract's signature,
+each declaring what it supports (docs/PEERS.md says why, peer by peer).
+
+Verify one with ``ua-verify --impl properties.impls:<name>``. They import their
+peer lazily, so the suite imports nothing of them until asked.
+"""
 
 from __future__ import annotations
-
-import importlib
 
 import jax
 import jax.numpy as jnp
 
-from .case import FEATURES
-
-DEFAULT_IMPL = "ua_kernels:attention"
+_NO_CONTRACT_EXTRAS = {"segment_ids", "cap", "temperature", "z_loss", "lse"}
 
 
-def load_impl(spec: str):
-  """Imports ``module:function`` (attributes may be dotted)."""
-  if ":" not in spec:
-    raise ValueError(f"--impl must look like module:function, got {spec!r}")
-  module_name, attr = spec.split(":", 1)
-  obj = importlib.import_module(module_name)
-  for part in attr.split("."):
-    obj = getattr(obj, part)
-  if not callable(obj):
-    raise TypeError(f"{spec} is not callable")
-  unknown = set(unsupported(obj)) - set(FEATURES)
-  if unknown:
-    raise ValueError(f"{spec}.ua_unsupported names unknown features {sorted(unknown)}; "
-                     f"known: {FEATURES}")
-  return obj
+def _jax_nn(implementation):
+  def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0, cap_method="none",
+                cap_params=(), temperature=None, sm_scale=None, z_loss_weight=0.0,
+                return_lse=False):
+    if (segment_ids is not None or cap_method != "none" or temperature is not None
+        or z_loss_weight or return_lse):
+      raise NotImplementedError(f"jax.nn.dot_product_attention[{implementation}] declares "
+                                "these unsupported")
+    t = q.shape[1]
+    # Contract window: key j visible iff j > i - window_len (left side only).
+    local = (window_len - 1, t) if window_len > 0 else None
+    dtype = q.dtype
+    if (implementation == "xla" and dtype in (jnp.float16, jnp.bfloat16)
+        and jax.default_backend() == "cpu"):
+      # XLA:CPU has no 16-bit x 16-bit -> float32 dot algorithm for this op.
+      q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    out = jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=causal,
+                                       local_window_size=local, implementation=implementation)
+    return out.astype(dtype)
+  return attention
 
 
-def unsupported(impl) -> frozenset[str]:
-  return frozenset(getattr(impl, "ua_unsupported", ()))
+jax_nn_attention = _jax_nn("xla")
+jax_nn_attention.__doc__ = """``jax.nn.dot_product_attention`` (XLA).
+
+It has no segment ids, caps, temperature or z-loss; its lse (``return_residual``)
+is rounded to the input dtype and carries no gradient, so ``lse`` is a contract
+difference too."""
+jax_nn_attention.ua_unsupported = _NO_CONTRACT_EXTRAS
+
+jax_nn_cudnn = _jax_nn("cudnn")
+jax_nn_cudnn.__doc__ = """``jax.nn.dot_product_attention`` through cuDNN (GPU only).
+
+As the XLA path, and: cuDNN takes a window only together with causal (jax raises
+"cuDNN doesn't support right window" otherwise), which the declarations cannot
+say, so windows are declared unsupported; 16-bit inputs; head dims multiples
+of 8 up to 128 (cuDNN's flash attention)."""
+jax_nn_cudnn.ua_unsupported = _NO_CONTRACT_EXTRAS | {"window"}
+jax_nn_cudnn.ua_dtypes = ("bfloat16", "float16")
+jax_nn_cudnn.ua_head_dims = lambda d: d % 8 == 0 and d <= 128
 
 
-def jax_nn_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
-                     cap_method="none", cap_params=(), temperature=None, sm_scale=None,
-                     z_loss_weight=0.0, return_lse=False, config=None):
-  """``jax.nn.dot_product_attention`` (XLA) behind the contract's signature."""
-  del config
-  if (segment_ids is not None or cap_method != "none" or temperature is not None
-      or z_loss_weight or return_lse):
-    raise NotImplementedError("jax_nn_attention declares these unsupported")
-  t = q.shape[1]
-  # Contract window: key j visible iff j > i - window_len (left side only).
-  local = (window_len - 1, t) if window_len > 0 else None
-  dtype = q.dtype
-  if dtype in (jnp.float16, jnp.bfloat16) and jax.default_backend() == "cpu":
-    # XLA:CPU has no 16-bit x 16-bit -> float32 dot algorithm for this op.
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  out = jax.nn.dot_product_attention(
-      q, k, v, scale=sm_scale, is_causal=causal, local_window_size=local,
-      implementation="xla")
-  return out.astype(dtype)
+# JAX's Pallas-Triton flash attention at its best-known tiles on the H200
+# (docs/BENCHMARKS.md: block_q 128, block_k 64, all backward blocks 64).
+PALLAS_MHA_TILES = dict(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64,
+                        block_q_dq=64, block_kv_dq=64)
+_PAD = 128  # mha needs T to be a multiple of its tiles (and a power of two below them)
 
 
-jax_nn_attention.ua_unsupported = {"segment_ids", "cap", "temperature", "z_loss", "lse"}
+def pallas_triton_mha(q, k, v, *, segment_ids=None, causal=False, window_len=0,
+                      cap_method="none", cap_params=(), temperature=None, sm_scale=None,
+                      z_loss_weight=0.0, return_lse=False):
+  """``jax.experimental.pallas.ops.gpu.attention.mha`` (Pallas-Triton, GPU only) at
+  PALLAS_MHA_TILES.
+
+  It takes segment ids with the contract's same-segment rule, and causal masks.
+  The adapter pads T to a multiple of 128 (mha needs whole tiles), giving the
+  padding a segment id of its own so that no real query sees it. mha has no GQA
+  (K/V must have Hq heads), window, cap, temperature or z-loss; its lse
+  (``return_residuals``) is base 2 and cannot be differentiated; float32 runs in
+  TF32 unless a global matmul precision says otherwise: those are declared
+  unsupported (docs/PEERS.md)."""
+  if (window_len or cap_method != "none" or temperature is not None or z_loss_weight
+      or return_lse or k.shape[2] != q.shape[2]):
+    raise NotImplementedError("pallas_triton_mha declares these unsupported")
+  from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+  b, t, _, d = q.shape
+  padded = -(-t // _PAD) * _PAD
+  seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  if padded != t:
+    pad_id = jnp.max(seg) + 1
+    seg = jnp.concatenate([seg, jnp.broadcast_to(pad_id, (b, padded - t))], axis=1)
+    q, k, v = (jnp.pad(x, ((0, 0), (0, padded - t), (0, 0), (0, 0))) for x in (q, k, v))
+  out = pallas_attention.mha(
+      q, k, v, segment_ids=seg if (segment_ids is not None or padded != t) else None,
+      sm_scale=d ** -0.5 if sm_scale is None else sm_scale, causal=causal,
+      block_sizes=pallas_attention.BlockSizes(**PALLAS_MHA_TILES),
+      interpret=jax.default_backend() != "gpu")
+  return out[:, :t]
 
 
-def reference_impl(*args, **kwargs):
-  """ua_reference.attention as a plug-in (it must pass its own suite)."""
-  import ua_reference
-  return ua_reference.attention(*args, **kwargs)
+pallas_triton_mha.ua_unsupported = {"window", "cap", "temperature", "z_loss", "lse", "gqa"}
+pallas_triton_mha.ua_dtypes = ("bfloat16", "float16")
+pallas_triton_mha.ua_block_sizes = (64, 128)

@@ -1,10 +1,12 @@
-"""ua-mutate: source-level mutation testing of ua_kernels.
+"""ua-mutate: source-level mutation testing of ua_kernels, from a source checkout.
 
 Each mutant is one textual change to the kernels or their wrapper. For each,
-the repository is copied to a temporary directory, the change applied, and the
-suite's ci profile run there (interpret mode) until the first failure:
-killed (with the test that killed it and the time to kill) or survived.
-Mutants S1-S8 re-introduce the seed kernel's defects (docs/DEFECTS.md).
+the checkout (``--repo``, default the current directory) is copied to a
+temporary directory, the change applied, and the black-box suite (the
+regression corpus, then the properties, ci profile, interpret mode) run there
+until the first failure: killed (with the test that killed it and the time to
+kill) or survived. Mutants O1-O9 re-introduce the original kernel's defects
+(docs/DEFECTS.md).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,108 +36,109 @@ class Mutant:
   occurrence: int | None = None  # which match to change when not unique (0-based)
 
 
-TM, KE, AT, SS = ("ua_kernels/tile_math.py", "ua_kernels/kernels.py",
-                  "ua_kernels/attention.py", "ua_kernels/softmax_state.py")
+TILE_MATH, KERNELS, ATTENTION, SOFTMAX_STATE = (
+    "ua_kernels/tile_math.py", "ua_kernels/kernels.py", "ua_kernels/attention.py",
+    "ua_kernels/softmax_state.py")
 
 MUTANTS = [
-    # --- seed defects, re-introduced ---------------------------------------
-    Mutant("S1", TM,
-           "    scores = (cap.fast_forward if fast_cap else cap.forward)(cap_arg, *params)\n",
+    # --- the original kernel's defects, re-introduced ---------------------------------------
+    Mutant("O1", TILE_MATH,
+           "    scores = cap_forward(cap_arg, *params)\n",
            "    if mask is not None:\n      cap_arg = jnp.where(mask, cap_arg, -jnp.inf)\n"
            "      mask = None\n"
-           "    scores = (cap.fast_forward if fast_cap else cap.forward)(cap_arg, *params)\n",
-           "seed: mask applied before the cap (cap(-inf) is finite for tanh/hard)"),
-    Mutant("S2", TM, "hi = jnp.minimum(_ceil_div(q_start + block_q, block_kv), hi)",
+           "    scores = cap_forward(cap_arg, *params)\n",
+           "original kernel: mask applied before the cap (cap(-inf) is finite for tanh/hard)"),
+    Mutant("O2", TILE_MATH, "hi = jnp.minimum(_ceil_div(q_start + block_q, block_kv), hi)",
            "hi = jnp.minimum(_div(q_start, block_kv) + 1, hi)",
-           "seed: causal key-loop bound floor(q_start/bkv)+1 (misses keys when bq > bkv)"),
-    Mutant("S3", TM, "lo = _div(jnp.maximum(q_start - (spec.window_len - 1), 0), block_kv)",
+           "original kernel: causal key-loop bound floor(q_start/bkv)+1 (misses keys when bq > bkv)"),
+    Mutant("O3", TILE_MATH, "lo = _div(jnp.maximum(q_start - (spec.window_len - 1), 0), block_kv)",
            "lo = jnp.maximum(hi - (spec.window_len + block_q) // block_kv, 0)",
-           "seed: window lower bound counted back from the upper bound (off by one; "
+           "original kernel: window lower bound counted back from the upper bound (off by one; "
            "wrong without causal)"),
-    Mutant("S4", TM, "  return exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2))",
+    Mutant("O4", TILE_MATH, "  return exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2))",
            "  p = exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2))\n"
            "  return p / jnp.maximum(jnp.sum(p, axis=1, keepdims=True), 1e-30)",
-           "seed: backward probabilities renormalised within each key block"),
-    Mutant("S5", AT, "- dlse - spec.z_loss_weight * lse\n",
+           "original kernel: backward probabilities renormalised within each key block"),
+    Mutant("O5", ATTENTION, "- dlse - spec.z_loss_weight * lse\n",
            "- dlse - spec.z_loss_weight * lse * jnp.exp(-jnp.abs(lse))\n",
-           "seed: z-loss gradient divided by the softmax normaliser"),
-    Mutant("S6", KE, "ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)",
+           "original kernel: z-loss gradient divided by the softmax normaliser"),
+    Mutant("O6", KERNELS, "ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)",
            "ds = logits_grad(spec, p, dp, delta, logits._replace(cap_arg=logits.scores), "
            "qt.temp, fast_cap)",
-           "seed: cap gradient evaluated on capped, temperature-scaled logits (dq)"),
-    Mutant("S7", TM,
+           "original kernel: cap gradient evaluated on capped, temperature-scaled logits (dq)"),
+    Mutant("O7", TILE_MATH,
            "hi = jnp.minimum(_ceil_div(k_start + block_kv - 1 + spec.window_len, block_q), hi)",
            "hi = jnp.minimum(lo + (spec.window_len + block_kv) // block_q, hi)",
-           "seed: dk/dv query-loop window bound counted from the loop start"),
-    Mutant("S8", KE, "lax.fori_loop(0, spec.group_size, head, carry)",
+           "original kernel: dk/dv query-loop window bound counted from the loop start"),
+    Mutant("O8", KERNELS, "lax.fori_loop(0, spec.group_size, head, carry)",
            "lax.fori_loop(0, 1, head, carry)",
-           "seed: dk/dv not summed over the GQA group (first query head only)"),
-    Mutant("S9", KE, "k = k_ref[pl.ds(k_start, block_kv), :]",
+           "original kernel: dk/dv not summed over the GQA group (first query head only)"),
+    Mutant("O9", KERNELS, "k = k_ref[pl.ds(k_start, block_kv), :]",
            "k = k_ref[:, pl.ds(k_start, block_kv)]",
-           "seed: K tile sliced along the head dim instead of the sequence (forward, dq)"),
+           "original kernel: K tile sliced along the head dim instead of the sequence (forward, dq)"),
     # --- plausible kernel bugs ----------------------------------------------
-    Mutant("M1", TM, "conditions.append(k_pos[None, :] <= q_pos[:, None])",
+    Mutant("M1", TILE_MATH, "conditions.append(k_pos[None, :] <= q_pos[:, None])",
            "conditions.append(k_pos[None, :] < q_pos[:, None])", "causal diagonal hidden"),
-    Mutant("M2", TM, "conditions.append(k_pos[None, :] > q_pos[:, None] - spec.window_len)",
+    Mutant("M2", TILE_MATH, "conditions.append(k_pos[None, :] > q_pos[:, None] - spec.window_len)",
            "conditions.append(k_pos[None, :] >= q_pos[:, None] - spec.window_len)",
            "window edge off by one"),
-    Mutant("M3", TM, "conditions.append(q_seg[:, None] == k_seg[None, :])",
+    Mutant("M3", TILE_MATH, "conditions.append(q_seg[:, None] == k_seg[None, :])",
            "conditions.append(q_seg[:, None] >= k_seg[None, :])",
            "segment edge: earlier documents visible"),
-    Mutant("M4", TM, "(q_pos[:, None] < spec.seq_len) & (k_pos[None, :] < spec.seq_len)",
+    Mutant("M4", TILE_MATH, "(q_pos[:, None] < spec.seq_len) & (k_pos[None, :] < spec.seq_len)",
            "(q_pos[:, None] < spec.seq_len)", "tail keys (padding) not masked"),
-    Mutant("M5", TM, "num_blocks = -(-spec.seq_len // block_kv)",
+    Mutant("M5", TILE_MATH, "num_blocks = -(-spec.seq_len // block_kv)",
            "num_blocks = spec.seq_len // block_kv", "tail key block dropped (floor)"),
-    Mutant("M6", TM, "num_blocks = -(-spec.seq_len // block_q)",
+    Mutant("M6", TILE_MATH, "num_blocks = -(-spec.seq_len // block_q)",
            "num_blocks = max(spec.seq_len // block_q, 1)", "tail query block dropped in dk/dv"),
-    Mutant("M7", TM, "  qk = dot(q, k, trans_b=True)\n",
+    Mutant("M7", TILE_MATH, "  qk = dot(q, k, trans_b=True)\n",
            "  qk = dot(q, k, trans_b=True)\n  if temp is not None and spec.cap_method != 'none':\n"
            "    qk = qk * temp[:, None]\n    temp = None\n",
            "temperature applied before the cap"),
-    Mutant("M8", TM, "  if temp is not None:\n    ds = ds * temp[:, None]\n", "",
+    Mutant("M8", TILE_MATH, "  if temp is not None:\n    ds = ds * temp[:, None]\n", "",
            "temperature missing from the logits gradient"),
-    Mutant("M9", TM, "    ds = ds * cap_grad(logits.cap_arg, *logits.cap_params)\n",
+    Mutant("M9", TILE_MATH, "    ds = ds * cap_grad(logits.cap_arg, *logits.cap_params)\n",
            "    ds = ds * 1.0\n", "cap gradient dropped (taken as 1)"),
-    Mutant("M10", AT, "- dlse - spec.z_loss_weight * lse\n", "- dlse + spec.z_loss_weight * lse\n",
+    Mutant("M10", ATTENTION, "- dlse - spec.z_loss_weight * lse\n", "- dlse + spec.z_loss_weight * lse\n",
            "z-loss gradient sign flipped"),
-    Mutant("M11", AT, "- dlse - spec.z_loss_weight * lse\n", "- spec.z_loss_weight * lse\n",
+    Mutant("M11", ATTENTION, "- dlse - spec.z_loss_weight * lse\n", "- spec.z_loss_weight * lse\n",
            "lse cotangent ignored"),
-    Mutant("M12", TM, "  return ds * spec.sm_scale", "  return ds", "sm_scale missing from gradients"),
-    Mutant("M13", SS, "dot(p.astype(v.dtype), v)",
+    Mutant("M12", TILE_MATH, "  return ds * spec.sm_scale", "  return ds", "sm_scale missing from gradients"),
+    Mutant("M13", SOFTMAX_STATE, "dot(p.astype(v.dtype), v)",
            "dot(p.astype(jnp.bfloat16), v.astype(jnp.bfloat16))",
            "forward P@V in bfloat16 whatever the input precision"),
-    Mutant("M14", KE, "dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)",
+    Mutant("M14", KERNELS, "dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)",
            "dk = dk + dot(ds.astype(jnp.float16), q.astype(jnp.float16), trans_a=True)",
            "dk accumulated from float16 ds"),
-    Mutant("M15", AT, "lambda i, bi, h: (bi, 0, h // group, 0))",
+    Mutant("M15", ATTENTION, "lambda i, bi, h: (bi, 0, h // group, 0))",
            "lambda i, bi, h: (bi, 0, h % spec.num_kv_heads, 0))",
            "GQA head mapping h % Hkv instead of h // G (forward and dq kernels)"),
-    Mutant("M16", AT, "  return out, lse2 * LN2\n", "  return out, lse2\n",
+    Mutant("M16", ATTENTION, "  return out, lse2 * LN2\n", "  return out, lse2\n",
            "lse returned in base 2 (plain call, the custom_vjp primal)"),
-    Mutant("M20", AT, "  return (out, lse2 * LN2), (", "  return (out, lse2), (",
+    Mutant("M20", ATTENTION, "  return (out, lse2 * LN2), (", "  return (out, lse2), (",
            "lse returned in base 2 (under differentiation, the custom_vjp fwd)"),
-    Mutant("M17", SS, "l, acc = correction * self.l, correction[:, None] * self.acc",
+    Mutant("M17", SOFTMAX_STATE, "l, acc = correction * self.l, correction[:, None] * self.acc",
            "l, acc = self.l, correction[:, None] * self.acc",
            "online-softmax row sum not rescaled"),
-    Mutant("M21", TM, "  if temp is not None or scale <= 0:", "  if temp is not None:",
+    Mutant("M21", TILE_MATH, "  if temp is not None or scale <= 0:", "  if temp is not None:",
            "negative sm_scale folded into the exp2 (row max taken before the multiply)"),
-    Mutant("M22", TM, "  return jnp.max(logits.scores, axis=1) * logits.scale",
+    Mutant("M22", TILE_MATH, "  return jnp.max(logits.scores, axis=1) * logits.scale",
            "  return jnp.max(logits.scores, axis=1)", "row max missing the folded scale"),
-    Mutant("M23", TM, "tuple(c / p0 for c in spec.cap_params)",
+    Mutant("M23", TILE_MATH, "tuple(c / p0 for c in spec.cap_params)",
            "spec.cap_params", "cap parameter moved into the scale but not divided out"),
-    Mutant("M24", TM, "  return 0.5 * (lo + hi) * scale", "  return hi * scale",
+    Mutant("M24", TILE_MATH, "  return 0.5 * (lo + hi) * scale", "  return hi * scale",
            "fixed exp2 shift at the cap's upper bound (rows at the lower one underflow)"),
-    Mutant("M25", TM, "  return 0.5 * (lo + hi) * scale", "  return lo * scale",
+    Mutant("M25", TILE_MATH, "  return 0.5 * (lo + hi) * scale", "  return lo * scale",
            "fixed exp2 shift at the cap's lower bound (rows at the upper one overflow)"),
-    Mutant("M26", TM, "(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))",
+    Mutant("M26", TILE_MATH, "(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))",
            "(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))",
            "fixed exp2 shift for float16 inputs (probabilities overflow its range)"),
-    Mutant("M27", AT, "jnp.pad(at_position(last) + 1, pad", "jnp.pad(at_position(last), pad",
+    Mutant("M27", ATTENTION, "jnp.pad(at_position(last) + 1, pad", "jnp.pad(at_position(last), pad",
            "segment spans one short: the last key of each segment's extent skipped"),
-    Mutant("M28", TM, "jnp.minimum(hi, _ceil_div(span_hi, block))",
+    Mutant("M28", TILE_MATH, "jnp.minimum(hi, _ceil_div(span_hi, block))",
            "jnp.minimum(hi, _div(span_hi, block))",
            "tile range narrowed to a segment span rounded down at its end (a partial tile dropped)"),
-    Mutant("M19", SS, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
+    Mutant("M19", SOFTMAX_STATE, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
            "no guard for rows whose keys in a tile are all hidden (NaN)"),
 ]
 
@@ -155,30 +157,41 @@ def apply(mutant: Mutant, root: Path) -> None:
   path.write_text(text[:at] + mutant.new + text[at + len(mutant.old):])
 
 
-def _copy_repo(dest: Path) -> None:
+def source_root(path: str | Path | None = None) -> Path:
+  """The source checkout to mutate (default: the current directory)."""
+  root = Path(path or Path.cwd()).resolve()
+  if not (root / KERNELS).is_file() or not (root / "tests").is_dir():
+    raise SystemExit(f"ua-mutate needs a source checkout of unified-attention; {root} has no "
+                     f"{KERNELS} or tests/ (use --repo)")
+  return root
+
+
+def _copy_repo(root: Path, dest: Path) -> None:
   ignore = shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", "ua-failures", "*.egg-info",
-                                  ".venv*", "benchmarks", "docs", "ua-report*")
-  shutil.copytree(REPO, dest, ignore=ignore, dirs_exist_ok=True)
+                                  ".venv*", "benchmarks", "docs", "ua-report*", ".whl")
+  shutil.copytree(root, dest, ignore=ignore, dirs_exist_ok=True)
 
 
-def run_mutant(mutant: Mutant, timeout: float, save_cases: Path | None = None) -> dict:
+def run_mutant(mutant: Mutant, root: Path, timeout: float, save_cases: Path | None = None) -> dict:
   with tempfile.TemporaryDirectory(prefix=f"ua-mutant-{mutant.id}-") as tmp:
-    root = Path(tmp)
-    _copy_repo(root)
-    apply(mutant, root)
-    env = dict(os.environ, UA_FAILURE_DIR=str(root / "ua-failures"), PYTHONPATH=str(root))
-    env.pop("UA_REPORT_DIR", None)
+    copy = Path(tmp)
+    _copy_repo(root, copy)
+    apply(mutant, copy)
+    # The copy comes first on the path, so the plugin (entry point) and the
+    # kernels it judges are both the mutated copy's.
+    env = dict(os.environ, PYTHONPATH=str(copy))
     cmd = [sys.executable, "-m", "pytest", *TEST_ORDER, "-x", "-q", "-p", "no:cacheprovider",
-           "-p", "no:randomly", "--hypothesis-profile=ci", "-o", "addopts="]
+           "--hypothesis-profile=ua-ci", f"--ua-failures={copy / 'ua-failures'}",
+           "-o", "addopts="]
     start = time.time()
     try:
-      proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
+      proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
                             timeout=timeout)
       output, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
       output, code = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), None
     seconds = time.time() - start
-    saved = sorted((root / "ua-failures").glob("*.json"))
+    saved = sorted((copy / "ua-failures").glob("*.json"))
     if save_cases and saved:
       save_cases.mkdir(parents=True, exist_ok=True)
       shutil.copy(saved[0], save_cases / f"mutant-{mutant.id}-{saved[0].name}")
@@ -214,14 +227,16 @@ def main(argv=None) -> int:
   parser.add_argument("--list", action="store_true")
   parser.add_argument("--save-cases", type=Path, default=None,
                       help="copy each mutant's first failing case file here")
+  parser.add_argument("--repo", default=None, help="source checkout (default: the current directory)")
   args = parser.parse_args(argv)
+  root = source_root(args.repo)
   mutants = MUTANTS
   if args.only:
     mutants = [m for m in MUTANTS if m.id in set(args.only)]
   elif args.rotate:
     mutants = rotating_subset(args.rotate, args.key)
   for m in mutants:  # every mutant must still apply to the current source
-    check_applies(m)
+    check_applies(m, root)
   if args.list:
     for m in mutants:
       print(f"{m.id:4} {m.file:28} {m.description}")
@@ -229,7 +244,7 @@ def main(argv=None) -> int:
   print(f"{'mutant':6} {'status':9} {'seconds':>8}  killed by / description", flush=True)
   results = []
   for m in mutants:
-    r = run_mutant(m, args.timeout, args.save_cases)
+    r = run_mutant(m, root, args.timeout, args.save_cases)
     results.append(r)
     print(f"{r['id']:6} {r['status']:9} {r['seconds']:8.1f}  {r['killed_by'] or '-'}  "
           f"({r['description']})", flush=True)
@@ -240,13 +255,13 @@ def main(argv=None) -> int:
   return 0 if killed == len(results) else 1
 
 
-def check_applies(mutant: Mutant) -> None:
+def check_applies(mutant: Mutant, root: Path | None = None) -> None:
   """Applies the mutant to a throwaway copy of its file; raises if its text does
   not match exactly once (or the given occurrence) or the change is a no-op."""
   with tempfile.TemporaryDirectory(prefix="ua-mutant-check-") as tmp:
     target = Path(tmp) / mutant.file
     target.parent.mkdir(parents=True)
-    shutil.copy(REPO / mutant.file, target)
+    shutil.copy(source_root(root) / mutant.file, target)
     before = target.read_text()
     apply(mutant, Path(tmp))
     if target.read_text() == before:

@@ -1,7 +1,11 @@
 """Runs a Case through an implementation, the reference and the oracle.
 
 Compiled callables are cached per (implementation, static part of the case,
-flavour), so Hypothesis examples that share a shape bucket reuse them.
+flavour), so examples that share a shape bucket, and the several input seeds
+of one configuration, reuse them. The oracle (the reference on float64 copies
+of the inputs) and the same-precision reference are compiled without XLA's
+GEMM autotuning: it does not change what they compute, and it dominated
+their compile time on the GPU (docs/VERIFICATION.md).
 """
 
 from __future__ import annotations
@@ -15,11 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 
 import ua_reference
-from ua_kernels import KernelConfig
 
+from .capabilities import Implementation, declare
 from .case import Case
 from .inputs import make_inputs
 from .tolerance import OUTPUTS, OutputError, compare, floors, reference_error
+
+REFERENCE = declare("ua_reference:attention", ua_reference.attention)
+# Per-compile options of the oracle and the reference (not of the implementation).
+_HARNESS_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+_REFERENCE_EXECUTABLES: dict = {}  # (static key, float64, shapes) -> executable
+
+
+class HarnessError(RuntimeError):
+  """The oracle or the reference could not evaluate a case (out of memory, a
+  compile failure): the case is unjudged, which is never the implementation's
+  failure."""
 
 
 @contextlib.contextmanager
@@ -33,31 +48,15 @@ def x64(enabled: bool):
     jax.config.update("jax_enable_x64", previous)
 
 
-def call_kwargs(case: Case) -> dict:
-  """The contract's static keyword arguments for this case."""
-  config = None if case.blocks is None else KernelConfig(*case.blocks)
-  return dict(causal=case.causal, window_len=case.window_len,
-              cap_method=case.cap_method, cap_params=case.cap_params,
-              sm_scale=case.sm_scale, z_loss_weight=case.z_loss_weight,
-              return_lse=case.return_lse, config=config)
-
-
-def _static_key(case: Case):
-  d = dataclasses.asdict(case)
-  d.pop("seed")
-  return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
-
-
-@functools.lru_cache(maxsize=256)
-def _compiled(impl, static_key, omit=()):
-  kwargs = call_kwargs(Case(**dict(static_key)))
+def _vjp_fn(impl: Implementation, case: Case, omit=()):
+  kwargs = impl.call_kwargs(case)
   for name in omit:
     kwargs.pop(name)
   return_lse = kwargs["return_lse"]
 
   def run(q, k, v, segment_ids, temperature, dout, dlse):
     def f(q, k, v):
-      return impl(q, k, v, segment_ids=segment_ids, temperature=temperature, **kwargs)
+      return impl.fn(q, k, v, segment_ids=segment_ids, temperature=temperature, **kwargs)
     primal, vjp = jax.vjp(f, q, k, v)
     if return_lse:
       out, lse = primal
@@ -67,62 +66,90 @@ def _compiled(impl, static_key, omit=()):
       dq, dk, dv = vjp(dout)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
-  return jax.jit(run)
+  return run
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled_forward(impl, static_key):
-  kwargs = call_kwargs(Case(**dict(static_key)))
+def _compiled(impl: Implementation, static_key, omit=()):
+  return jax.jit(_vjp_fn(impl, Case(*static_key), omit))
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_forward(impl: Implementation, static_key):
+  kwargs = impl.call_kwargs(Case(*static_key))
 
   def run(q, k, v, segment_ids, temperature):
-    result = impl(q, k, v, segment_ids=segment_ids, temperature=temperature, **kwargs)
+    result = impl.fn(q, k, v, segment_ids=segment_ids, temperature=temperature, **kwargs)
     out, lse = result if kwargs["return_lse"] else (result, None)
     return {"out": out, "lse": lse}
 
   return jax.jit(run)
 
 
-def evaluate_forward(impl, case: Case, inputs: dict | None = None, *, float64: bool = False):
+def _args(inputs: dict, float64: bool):
+  cast = (lambda x: jnp.asarray(np.asarray(x, np.float64))) if float64 else jnp.asarray
+  opt = lambda x: None if x is None else jnp.asarray(x)
+  dlse = np.asarray(inputs["dlse"], np.float64 if float64 else np.float32)
+  return (cast(inputs["q"]), cast(inputs["k"]), cast(inputs["v"]), opt(inputs["segment_ids"]),
+          opt(inputs["temperature"]), cast(inputs["dout"]), jnp.asarray(dlse))
+
+
+def _as_numpy(result: dict) -> dict:
+  return {n: (None if x is None else np.asarray(x)) for n, x in result.items()}
+
+
+def evaluate_forward(impl: Implementation, case: Case, inputs: dict | None = None):
   """Outputs of a plain call (no VJP traced), which a custom_vjp computes
   through its primal function rather than its fwd rule."""
   inputs = make_inputs(case) if inputs is None else inputs
-  as_float = lambda x: np.asarray(x, np.float64) if float64 else x
-  args = [None if inputs[n] is None else jnp.asarray(as_float(inputs[n]) if n in "qkv" else inputs[n])
-          for n in ("q", "k", "v", "segment_ids", "temperature")]
-  result = _compiled_forward(impl, _static_key(case))(*args)
-  return {n: (None if x is None else np.asarray(x)) for n, x in result.items()}
+  args = _args(inputs, float64=False)[:5]
+  return _as_numpy(_compiled_forward(impl, case.static_key())(*args))
 
 
-def evaluate(impl, case: Case, inputs: dict | None = None, *, float64: bool = False,
+def evaluate(impl: Implementation, case: Case, inputs: dict | None = None, *,
              omit: tuple[str, ...] = ()):
-  """Outputs and q/k/v cotangents of ``impl`` on the case, as numpy arrays.
-
-  ``float64`` runs on float64 copies of the inputs (the oracle); ``omit``
-  drops keyword arguments so defaults can be compared with explicit values.
-  """
+  """Outputs and q/k/v cotangents of ``impl`` on the case, as numpy arrays;
+  ``omit`` drops keyword arguments so defaults can be compared with explicit values."""
   inputs = make_inputs(case) if inputs is None else inputs
-  cast = (lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))) \
-      if float64 else (lambda x: None if x is None else jnp.asarray(x))
-  args = [cast(inputs[n]) for n in ("q", "k", "v")]
-  seg = None if inputs["segment_ids"] is None else jnp.asarray(inputs["segment_ids"])
-  temp = None if inputs["temperature"] is None else jnp.asarray(inputs["temperature"])
-  dlse = jnp.asarray(np.asarray(inputs["dlse"], np.float64 if float64 else np.float32))
-  key = _static_key(case)
-  result = _compiled(impl, key, omit)(*args, seg, temp, cast(inputs["dout"]), dlse)
-  return {n: (None if x is None else np.asarray(x)) for n, x in result.items()}
+  return _as_numpy(_compiled(impl, case.static_key(), omit)(*_args(inputs, float64=False)))
+
+
+def _reference(case: Case, inputs: dict, float64: bool):
+  """(outputs and cotangents, lse) of the reference; lse is computed even when
+  the case does not return it (the floors need it)."""
+  with_lse = dataclasses.replace(case, return_lse=True, tiles=None)
+  args = _args(inputs, float64)
+  if not case.return_lse:
+    args = args[:6] + (jnp.zeros_like(args[6]),)  # no cotangent on an lse the case ignores
+  key = (with_lse.static_key(), float64, tuple(None if a is None else a.shape for a in args))
+  executable = _REFERENCE_EXECUTABLES.get(key)
+  if executable is None:
+    lowered = jax.jit(_vjp_fn(REFERENCE, with_lse)).lower(*args)
+    executable = lowered.compile(compiler_options=_HARNESS_COMPILER_OPTIONS)
+    if len(_REFERENCE_EXECUTABLES) >= 64:
+      _REFERENCE_EXECUTABLES.pop(next(iter(_REFERENCE_EXECUTABLES)))
+    _REFERENCE_EXECUTABLES[key] = executable
+  result = _as_numpy(executable(*args))
+  lse = result["lse"]
+  if not case.return_lse:
+    result["lse"] = None
+  return result, lse
 
 
 @functools.lru_cache(maxsize=64)
 def baseline(case: Case):
-  """Oracle results, and per output (the reference's error, the floor)."""
+  """Oracle results, and per output (the reference's error, the floor).
+
+  Raises HarnessError when either cannot be computed.
+  """
   inputs = make_inputs(case)
-  with x64(True):
-    oracle = evaluate(ua_reference.attention, case, inputs, float64=True)
-    ref = evaluate(ua_reference.attention, case, inputs)
-    lse = oracle["lse"]
-    if lse is None:  # the z-loss/recomputation floors need |lse| even if not returned
-      lse = evaluate_forward(ua_reference.attention, dataclasses.replace(case, return_lse=True),
-                             inputs, float64=True)["lse"]
+  try:
+    with x64(True):
+      oracle, lse = _reference(case, inputs, float64=True)
+      ref, _ = _reference(case, inputs, float64=False)
+  except Exception as exc:  # noqa: BLE001 -- whatever it is, it is the harness's
+    raise HarnessError(f"the oracle/reference failed on this case: "
+                       f"{type(exc).__name__}: {str(exc)[:2000]}") from exc
   floor = floors(case, inputs, oracle, float(np.max(np.abs(lse[np.isfinite(lse)]), initial=0.0)))
   bounds = {name: (reference_error(ref[name], oracle[name]), floor[name])
             for name in OUTPUTS if oracle.get(name) is not None}

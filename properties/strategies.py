@@ -1,8 +1,11 @@
-"""Hypothesis strategies that build valid Cases directly (no filtering).
+"""Hypothesis strategies that build valid Cases directly.
 
 Shapes come from small per-profile buckets and every static option from a few
 values, so compiled callables are reused across examples; tensor values come
-from the drawn seed (properties/inputs.py).
+from the drawn seed (properties/inputs.py). What the implementation declares
+(properties/capabilities.py) bounds what is drawn: its dtypes and head dims,
+its features, and its tiles, around whose edges sequence lengths and windows
+are drawn (k*b - 1, k*b, k*b + 1), where off-by-one tile bounds live.
 """
 
 from __future__ import annotations
@@ -12,88 +15,129 @@ import math
 
 from hypothesis import strategies as st
 
-from ua_kernels.cap_functions import CAP_METHODS
+from ua_reference.caps import CAP_METHODS
 
+from .capabilities import Implementation
 from .case import Case
 from .inputs import logit_scale
-
-# Six block sizes (fwd q/kv, dq q/kv, dkv q/kv): equal and unequal tiles.
-_SMALL_BLOCKS = ((16,) * 6, (32, 16, 16, 32, 32, 16), (16, 32, 32, 16, 16, 32))
 
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-  seq_lens: tuple[int, ...]
-  head_dims: tuple[int, ...]
-  heads: tuple[tuple[int, int], ...]     # (Hq, Hkv)
+  """The shapes and tiles one profile draws from."""
+
+  seq_lens: tuple[int, ...]               # drawn besides the tile edges
+  head_dims: tuple[int, ...]              # repeats weight the draw
+  heads: tuple[tuple[int, int], ...]      # (Hq, Hkv)
   batches: tuple[int, ...]
-  blocks: tuple[tuple[int, ...] | None, ...]
+  # (block_q, block_kv) pairs for an implementation that takes a config; None
+  # stands for its own default tiles (ua_block_sizes).
+  tiles: tuple[tuple[int, int] | None, ...]
+  edge_multiples: tuple[int, ...] = (1, 2, 3)
+  max_seq_len: int = 1 << 14
   dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
-  long_seq: int = 1 << 30                # from this T on: B=1, at most 2 kv heads
+  long_seq: int = 1 << 30                 # from this T on: B=1, at most 2 kv heads
 
 
+_SMALL_TILES = ((16, 16), (32, 16), (16, 32))
 BUCKETS = {
-    # Primes, block multiples and +-1 around them; MHA, GQA 2/4/8 and MQA.
+    # Primes, block multiples and +-1 around them; MHA, GQA 2/4/8 and MQA. The
+    # default tiles (None) are drawn one time in eight, at their own edges.
     "ci": Buckets(seq_lens=(1, 2, 7, 16, 17, 31, 33, 48, 64, 97),
                   head_dims=(16, 24, 32, 40, 64),
                   heads=((1, 1), (2, 2), (2, 1), (4, 2), (4, 1), (8, 1), (8, 4)),
-                  batches=(1, 2), blocks=_SMALL_BLOCKS),
+                  batches=(1, 2), tiles=_SMALL_TILES * 2 + (None, (16, 16)),
+                  max_seq_len=400, long_seq=129),
     "dev": Buckets(seq_lens=(1, 3, 16, 31, 33, 64, 65, 127, 128, 129, 211, 256),
                    head_dims=(16, 24, 32, 48, 64, 80, 128),
                    heads=((1, 1), (3, 3), (2, 1), (4, 2), (4, 1), (8, 2), (8, 1)),
-                   batches=(1, 2, 3), blocks=_SMALL_BLOCKS + ((64,) * 6,)),
-    "gpu": Buckets(seq_lens=(1, 17, 128, 255, 1000, 1024, 2048, 4097, 16384),
-                   head_dims=(16, 64, 80, 128, 256),
-                   heads=((1, 1), (4, 4), (4, 1), (8, 2), (16, 4)),
-                   batches=(1, 2), blocks=(None,), long_seq=4097),
+                   batches=(1, 2, 3), tiles=_SMALL_TILES + ((64, 64), None),
+                   edge_multiples=(1, 2, 3, 4), max_seq_len=600, long_seq=300),
+    # The compiled kernels' own tiles, T up to 16k; GQA up to 8 with long T
+    # (a short non-causal window then gives rows of every length at once).
+    # Realistic values first: no shrinking here, and each campaign test starts
+    # from the first value of every choice.
+    "gpu": Buckets(seq_lens=(1000, 1, 17, 128, 255, 1024, 2048, 4097, 8191, 16384),
+                   head_dims=(128, 16, 64, 64, 80, 128, 192, 256),
+                   heads=((8, 2), (1, 1), (4, 4), (4, 1), (8, 1), (16, 4), (16, 2)),
+                   batches=(1, 2), tiles=(None,),
+                   edge_multiples=(1, 2, 3, 8, 24, 64), long_seq=4097),
 }
 BUCKETS["fuzz"] = BUCKETS["dev"]
 
 
-def _window(draw, t: int) -> int:
-  return draw(st.sampled_from(sorted({1, 2, max(1, t // 3), max(1, t - 1), t, t + 7})))
+def _pick(draw, values, label=None):
+  return draw(st.sampled_from(values), label=label) if len(values) > 1 else values[0]
 
 
-def _allowed(feature, unsupported, require, forbid):
-  """(may it be on, must it be on) for one feature."""
-  can = feature not in unsupported and feature not in forbid
-  return can, can and feature in require
+def _seq_len(draw, buckets: Buckets, tiles: tuple[int, ...]) -> int:
+  """A length from the bucket, or (half the time, given tiles) one at a tile edge."""
+  edges = sorted({k * b + d for b in tiles for k in buckets.edge_multiples for d in (-1, 0, 1)
+                  if 1 <= k * b + d <= buckets.max_seq_len})
+  if edges and draw(st.booleans()):
+    return draw(st.sampled_from(edges))
+  return draw(st.sampled_from(buckets.seq_lens))
+
+
+def _window(draw, t: int, tiles: tuple[int, ...]) -> int:
+  """Short windows, windows ending on and next to tile edges, and ones >= T."""
+  values = {1, 2, max(1, t // 3), max(1, t - 1), t, t + 7}
+  values |= {m * b + d for b in tiles for m in (1, 2) for d in (-1, 0, 1) if m * b + d >= 1}
+  return draw(st.sampled_from(sorted(values)))
 
 
 @st.composite
-def cases(draw, buckets: Buckets, unsupported=frozenset(), require=frozenset(),
-          forbid=frozenset(), cap: str | None = None, dtypes=None) -> Case:
-  """A valid Case honouring the implementation's ``ua_unsupported`` set.
+def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
+          forbid=frozenset(), any_of=frozenset(), cap: str | None = None) -> Case:
+  """A valid Case within ``impl``'s declarations.
 
-  ``require``/``forbid`` pin features on/off for properties that need them;
-  ``cap`` fixes the cap method (ua-fuzz --cap).
+  ``require``/``forbid`` pin features on/off; ``any_of``: at least one of
+  these features is on; ``cap`` fixes the cap method (ua-fuzz --cap).
   """
-  def flag(feature):
-    can, must = _allowed(feature, unsupported, require, forbid)
-    if must:
-      return True
-    return draw(st.booleans()) if can else False
+  unsupported = impl.unsupported
+  missing = (set(require) | ({"cap"} if cap not in (None, "none") else set())) & unsupported
+  if missing:
+    raise ValueError(f"{impl.name} declares {sorted(missing)} unsupported")
+  if cap is not None and not impl.supports_cap(cap):
+    raise ValueError(f"{impl.name} declares cap method {cap!r} unsupported")
+  allowed = lambda f: f not in unsupported and f not in forbid
+  choosable = sorted(f for f in any_of if allowed(f))
+  if any_of and not choosable:
+    raise ValueError(f"{impl.name} supports none of {sorted(any_of)}")
+  forced = set(require) | ({_pick(draw, choosable)} if choosable else set())
 
-  t = draw(st.sampled_from(buckets.seq_lens))
+  def flag(feature):
+    if feature in forced:
+      return True
+    return draw(st.booleans()) if allowed(feature) else False
+
+  dtypes = [d for d in buckets.dtypes if d in impl.dtypes]
+  dims = [d for d in buckets.head_dims if impl.head_dims(d)]
+  if not dtypes or not dims:
+    raise ValueError(f"{impl.name} supports none of the profile's "
+                     f"{'dtypes' if not dtypes else 'head dims'}")
+  tile_choices = buckets.tiles if impl.config is not None else (None,)
+  pair = _pick(draw, tile_choices)
+  tiles = impl.block_sizes if pair is None else tuple(sorted(set(pair)))
+
+  t = _seq_len(draw, buckets, tiles)
   long = t >= buckets.long_seq
   head_pairs = [p for p in buckets.heads if not long or p[1] <= 2]
-  gqa_can, gqa_must = _allowed("gqa", unsupported, require, forbid)
-  if gqa_must:
+  if "gqa" in forced:
     head_pairs = [p for p in head_pairs if p[0] != p[1]]
-  elif not gqa_can:
+  elif not allowed("gqa"):
     head_pairs = [p for p in head_pairs if p[0] == p[1]]
-  hq, hkv = draw(st.sampled_from(head_pairs))
-  batch = 1 if long else draw(st.sampled_from(buckets.batches))
-  d = draw(st.sampled_from(buckets.head_dims))
-  dtype = draw(st.sampled_from(dtypes or buckets.dtypes))
+  hq, hkv = _pick(draw, head_pairs)
+  batch = 1 if long else _pick(draw, buckets.batches)
+  d = _pick(draw, dims)
+  dtype = _pick(draw, dtypes)
 
   causal = flag("causal")
-  window = _window(draw, t) if flag("window") else 0
+  window = _window(draw, t, tiles) if flag("window") else 0
   segments = "none"
   if flag("segment_ids"):
-    segments = draw(st.sampled_from(["packed", "packed", "random"]))
-  if "segment_ids" in require:
-    segments = "packed"
+    segments = "packed" if "segment_ids" in require else draw(
+        st.sampled_from(["packed", "packed", "random"]))
   temperature = "none"
   if flag("temperature"):
     temperature = draw(st.sampled_from(["uniform", "extreme", "per_head", "scalar", "ones",
@@ -104,18 +148,17 @@ def cases(draw, buckets: Buckets, unsupported=frozenset(), require=frozenset(),
   sm_scale = draw(st.sampled_from([None, None, 0.5 / math.sqrt(d), 2.0 / math.sqrt(d),
                                    -1.0 / math.sqrt(d)]))
 
-  cap_can, cap_must = _allowed("cap", unsupported, require, forbid)
+  methods = sorted(m for m in CAP_METHODS if m != "none" and impl.supports_cap(m))
   if cap is not None:
     cap_method = cap
-  elif cap_can and (cap_must or draw(st.booleans())):
-    cap_method = draw(st.sampled_from(sorted(m for m in CAP_METHODS if m != "none")))
+  elif methods and flag("cap"):
+    cap_method = draw(st.sampled_from(methods))
   else:
     cap_method = "none"
   case = Case(batch=batch, seq_len=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
               dtype=dtype, causal=causal, window_len=window, segments=segments,
               temperature=temperature, sm_scale=sm_scale, z_loss_weight=z_loss,
-              return_lse=return_lse, distribution=distribution,
-              blocks=draw(st.sampled_from(buckets.blocks)),
+              return_lse=return_lse, distribution=distribution, tiles=pair,
               seed=draw(st.integers(0, 2 ** 31 - 1)))
   # Cap parameters around the logits' own magnitude, so the cap is reached.
   scale = logit_scale(case)

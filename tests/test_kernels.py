@@ -9,7 +9,7 @@ import pytest
 
 import ua_kernels
 from ua_kernels import KernelConfig
-from ua_kernels.contract import validate
+from ua_reference.contract import validate
 from ua_kernels.tile_math import kv_block_range, q_block_range
 from properties.runner import x64
 from ua_reference import visible_keys

@@ -5,6 +5,8 @@ longer matches exactly once would fail only the CI run that draws it. This check
 them all, in a second, on every run.
 """
 
+from pathlib import Path
+
 import pytest
 
 from properties.mutation import MUTANTS, check_applies
@@ -12,7 +14,7 @@ from properties.mutation import MUTANTS, check_applies
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.id for m in MUTANTS])
 def test_mutant_applies(mutant):
-  check_applies(mutant)
+  check_applies(mutant, Path(__file__).parent.parent)
 
 
 def test_mutants_are_distinct():

@@ -1,9 +1,13 @@
-"""Pallas-Triton kernels for unified attention."""
+"""Pallas-Triton kernels for unified attention.
+
+The contract (validation, the cap registry, the reference) lives in
+ua_reference; these kernels import it. Cap methods are registered there
+(ua_reference.register_cap_method); a fast bfloat16 form of one is registered
+here (register_fast_form).
+"""
 
 from .attention import SUPPORTED_DTYPES, attention
-from .cap_functions import CAP_METHODS, CapMethod, get_cap_method, register_cap_method
-from .contract import StaticSpec, validate
+from .cap_forms import register_fast_form
 from .kernel_config import KernelConfig
 
-__all__ = ["attention", "KernelConfig", "CAP_METHODS", "CapMethod", "get_cap_method",
-           "register_cap_method", "StaticSpec", "validate", "SUPPORTED_DTYPES"]
+__all__ = ["attention", "KernelConfig", "SUPPORTED_DTYPES", "register_fast_form"]

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import fast_math, kernels
-from .contract import StaticSpec, validate
+from ua_reference.contract import StaticSpec, validate
+
+from . import cap_forms, fast_math, kernels
 from .kernel_config import KernelConfig
 from .tile_math import LN2
 from .tuned_configs import default_config
@@ -31,8 +32,8 @@ def _next_pow2(n: int) -> int:
 def _layout(spec: StaticSpec, config: KernelConfig):
   """Padded head dim, padded length, and the blocks clipped to the length."""
   head_dim = max(16, _next_pow2(spec.head_dim))
-  cap = max(16, _next_pow2(spec.seq_len))
-  blocks = {name: min(getattr(config, name), cap) for name in (
+  longest_block = max(16, _next_pow2(spec.seq_len))
+  blocks = {name: min(getattr(config, name), longest_block) for name in (
       "block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
       "block_kv_dkv")}
   biggest = max(blocks.values())
@@ -251,3 +252,17 @@ def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
     raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
   out, lse = _jitted_attention(spec, config, q, k, v, segment_ids, temperature)
   return (out, lse) if return_lse else out
+
+
+def _config_for_tiles(block_q: int, block_kv: int) -> KernelConfig:
+  """The suite's tile pair (docs/PLUGINS.md, ``ua_config``) as a KernelConfig: the
+  forward and dk/dv kernels take (block_q, block_kv), the dq kernel the pair
+  swapped, so that one drawn pair exercises unequal tiles both ways."""
+  return KernelConfig(block_q, block_kv, block_kv, block_q, block_q, block_kv)
+
+
+# Capability declarations read by the verification suite (docs/PLUGINS.md).
+attention.ua_dtypes = tuple(jnp.dtype(d).name for d in SUPPORTED_DTYPES)
+attention.ua_block_sizes = (16, 32, 64, 128)  # default tiles (tuned_configs), clipped to T
+attention.ua_config = _config_for_tiles
+attention.ua_cap_forms = cap_forms.fast_forms

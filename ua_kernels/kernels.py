@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .contract import StaticSpec
+from ua_reference.contract import StaticSpec
+
 from .softmax_state import SoftmaxState
 from .tile_math import (dot, fixed_shift, kv_tiles, logits_grad, positions, probabilities,
                         q_tiles, tile_logits, tile_loop, visible_mask)

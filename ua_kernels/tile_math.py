@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ua_reference.contract import StaticSpec
+
 from . import fast_math
-from .contract import StaticSpec
+from .cap_forms import forms
 
 # Logits are carried in base-2 units (x * log2 e) so the kernels use exp2,
 # which lowers to a cheaper GPU instruction sequence than exp. The kernels
@@ -118,7 +120,7 @@ def fixed_shift(spec: StaticSpec, dtype, has_temperature: bool) -> float | None:
 
 def tile_logits(spec: StaticSpec, q, k, temp, mask, fast_cap: bool) -> Logits:
   """The contract's logits (capped, then temperature-scaled), masked to -inf
-  where hidden. ``fast_cap`` selects the cap's fast form (bfloat16; CapMethod).
+  where hidden. ``fast_cap`` selects the cap's fast form (bfloat16; cap_forms).
 
   A cap declared homogeneous, cap(a*x; a*p) = a*cap(x; p) for a > 0, is
   evaluated with its first parameter p0 moved out, p0 * cap(sm_scale*q.k/p0; p/p0),
@@ -126,13 +128,13 @@ def tile_logits(spec: StaticSpec, q, k, temp, mask, fast_cap: bool) -> Logits:
   is one multiply and one tanh per logit, the same function as c*tanh(s/c).
   """
   qk = dot(q, k, trans_b=True)
-  cap = spec.cap
   if spec.cap_method == "none":
     scores, scale, cap_arg, params = qk, spec.sm_scale * LOG2E, None, ()
   else:
     arg_scale, scale, params = _cap_fold(spec)
     cap_arg = qk * arg_scale
-    scores = (cap.fast_forward if fast_cap else cap.forward)(cap_arg, *params)
+    cap_forward, _ = forms(spec.cap, fast_cap)
+    scores = cap_forward(cap_arg, *params)
   if temp is not None or scale <= 0:
     # A per-row temperature (of either sign) or an sm_scale <= 0 does not
     # commute with the row max (nor -inf * 0 with the mask): multiply first.
@@ -173,7 +175,7 @@ def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: 
   if temp is not None:
     ds = ds * temp[:, None]
   if spec.cap_method != "none":
-    cap_grad = spec.cap.fast_grad if fast_cap else spec.cap.grad
+    _, cap_grad = forms(spec.cap, fast_cap)
     ds = ds * cap_grad(logits.cap_arg, *logits.cap_params)
   return ds * spec.sm_scale
 
@@ -211,7 +213,7 @@ def q_block_range(spec: StaticSpec, k_start, block_q, block_kv):
   return lo, hi
 
 
-def _split(spec: StaticSpec, padded: bool) -> bool:
+def _has_unmasked_interior(spec: StaticSpec, padded: bool) -> bool:
   """Tiles wholly inside the causal/window band need no mask, unless padding
   or segment ids (data-dependent) require one everywhere."""
   return (spec.causal or spec.window_len > 0) and not padded and not spec.has_segment_ids
@@ -232,7 +234,7 @@ def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool, span=No
   (full_lo is None when the loop is not split). ``span``: the positions
   [lo, hi) that share a segment with some query of the tile (segment ids)."""
   lo, hi = _within_span(*kv_block_range(spec, q_start, block_q, block_kv), span, block_kv)
-  if not _split(spec, padded):
+  if not _has_unmasked_interior(spec, padded):
     return lo, None, None, hi
   full_lo, full_hi = lo, hi
   if spec.window_len > 0:  # first key of the tile within every query's window
@@ -247,7 +249,7 @@ def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool, span=No
 def q_tiles(spec: StaticSpec, k_start, block_q, block_kv, padded: bool, span=None):
   """(lo, full_lo, full_hi, hi) of query tiles for a key tile; see kv_tiles."""
   lo, hi = _within_span(*q_block_range(spec, k_start, block_q, block_kv), span, block_q)
-  if not _split(spec, padded):
+  if not _has_unmasked_interior(spec, padded):
     return lo, None, None, hi
   full_lo, full_hi = lo, hi
   if spec.causal:  # first query of the tile >= last key of the tile

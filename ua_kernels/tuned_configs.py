@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from .contract import StaticSpec
+from ua_reference.contract import StaticSpec
+
 from .kernel_config import KernelConfig
 
 _BWD_64 = dict(block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,

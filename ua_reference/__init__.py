@@ -1,5 +1,10 @@
-"""Pure-jnp reference implementation of unified attention (the oracle)."""
+"""The contract of unified attention: validation, the cap registry and the
+pure-jnp reference (the oracle). It depends on nothing of this project's:
+implementations import it, the verification suite judges them by it."""
 
+from .caps import CAP_METHODS, CapMethod, get_cap_method, register_cap_method
+from .contract import StaticSpec, validate
 from .reference import attention, visible_keys
 
-__all__ = ["attention", "visible_keys"]
+__all__ = ["attention", "visible_keys", "validate", "StaticSpec", "CAP_METHODS", "CapMethod",
+           "get_cap_method", "register_cap_method"]

@@ -5,6 +5,11 @@ takes every gradient from autodiff. The only non-autodiff piece is the z-loss:
 the contract says its gradient is added "as if the caller had added
 1/2 * w * sum(lse^2) to the loss", a term no output carries, so a one-line
 custom_vjp identity on lse injects ``w * lse`` into lse's cotangent.
+
+Rows are independent, so long sequences are computed in blocks of query rows
+(:data:`MAX_LOGITS` bounds the [B, Hq, rows, T] logits of one block), each
+rematerialised in the backward pass: the oracle's memory stays bounded at
+T = 16k with many heads, and short sequences are one block, as written.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ua_kernels.contract import validate
+from .contract import StaticSpec, validate
+
+# Largest number of logits [B, Hq, rows, T] computed at once (2^26: 512 MiB in float64).
+MAX_LOGITS = 1 << 26
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -33,18 +41,57 @@ def _with_z_loss_bwd(weight, lse, g):
 _with_z_loss_gradient.defvjp(_with_z_loss_fwd, _with_z_loss_bwd)
 
 
-def visible_keys(seq_len, segment_ids, causal, window_len):
-  """Boolean [B or 1, T, T] mask: key j is visible to query i."""
-  i = jnp.arange(seq_len)[:, None]
-  j = jnp.arange(seq_len)[None, :]
-  mask = jnp.ones((1, seq_len, seq_len), bool)
-  if segment_ids is not None:
-    mask = segment_ids[:, :, None] == segment_ids[:, None, :]
+def _visible(i, j, seg_i, seg_j, causal, window_len):
+  """Boolean [B or 1, rows, T]: key position j visible to query position i."""
+  i, j = i[:, None], j[None, :]
+  mask = jnp.ones((1,) + jnp.broadcast_shapes(i.shape, j.shape), bool)
+  if seg_i is not None:
+    mask = seg_i[:, :, None] == seg_j[:, None, :]
   if causal:
     mask = mask & (j <= i)
   if window_len > 0:
     mask = mask & (j > i - window_len)
   return mask
+
+
+def visible_keys(seq_len, segment_ids, causal, window_len):
+  """Boolean [B or 1, T, T] mask: key j is visible to query i."""
+  pos = jnp.arange(seq_len)
+  return _visible(pos, pos, segment_ids, segment_ids, causal, window_len)
+
+
+def _query_rows(spec: StaticSpec, q, k, v, pos, seg_q, seg_k, temp):
+  """out [B, rows, Hq, D] and lse [B, Hq, rows] of the query rows ``q`` at
+  positions ``pos``, against every key; k and v already repeated to Hq heads."""
+  # Order of the contract: scale, cap, temperature, then masking.
+  scaled = spec.sm_scale * jnp.einsum(
+      "bqhd,bkhd->bhqk", q, k, precision=jax.lax.Precision.HIGHEST)
+  logits = spec.cap.forward(scaled, *spec.cap_params)
+  if temp is not None:
+    logits = logits * jnp.transpose(temp, (0, 2, 1))[..., None]
+  mask = _visible(pos, jnp.arange(spec.seq_len), seg_q, seg_k, spec.causal, spec.window_len)
+  mask = jnp.broadcast_to(mask[:, None], logits.shape)
+
+  # Rows with no visible key: out 0, lse -inf, zero gradients (double where).
+  row_max = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
+  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  exps = jnp.where(mask, jnp.exp(jnp.where(mask, logits, row_max) - row_max), 0.0)
+  total = jnp.sum(exps, axis=-1)
+  has_key = total > 0
+  lse = jnp.where(has_key, jnp.log(jnp.where(has_key, total, 1.0)) + row_max[..., 0],
+                  -jnp.inf)
+  if spec.z_loss_weight:
+    lse = _with_z_loss_gradient(lse, spec.z_loss_weight)
+  safe_lse = jnp.where(has_key, lse, 0.0)
+  probs = jnp.where(mask, jnp.exp(jnp.where(mask, logits - safe_lse[..., None], 0.0)), 0.0)
+  out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=jax.lax.Precision.HIGHEST)
+  return out, lse
+
+
+def rows_per_block(spec: StaticSpec) -> int:
+  """Query rows computed at once, so that a block's logits stay within MAX_LOGITS."""
+  per_row = spec.batch * spec.num_q_heads * spec.seq_len
+  return max(1, min(spec.seq_len, MAX_LOGITS // per_row))
 
 
 def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
@@ -61,30 +108,31 @@ def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
   # GQA: query head h reads kv head h // G.
   kc = jnp.repeat(kc, spec.group_size, axis=2)
   vc = jnp.repeat(vc, spec.group_size, axis=2)
+  temp = None if temperature is None else jax.lax.stop_gradient(temperature.astype(compute))
 
-  # Order of the contract: scale, cap, temperature, then masking.
-  scaled = spec.sm_scale * jnp.einsum(
-      "bqhd,bkhd->bhqk", qc, kc, precision=jax.lax.Precision.HIGHEST)
-  logits = spec.cap.forward(scaled, *spec.cap_params)
-  if temperature is not None:
-    temp = jax.lax.stop_gradient(temperature.astype(compute))  # no gradient
-    logits = logits * jnp.transpose(temp, (0, 2, 1))[..., None]
-  mask = visible_keys(spec.seq_len, segment_ids, spec.causal, spec.window_len)
-  mask = jnp.broadcast_to(mask[:, None], logits.shape)
+  t, rows = spec.seq_len, rows_per_block(spec)
+  if rows == t:
+    out, lse = _query_rows(spec, qc, kc, vc, jnp.arange(t), segment_ids, segment_ids, temp)
+  else:
+    blocks = -(-t // rows)
+    pad = blocks * rows - t  # padded query rows see real keys; they are sliced off
 
-  # Rows with no visible key: out 0, lse -inf, zero gradients (double where).
-  row_max = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
-  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  exps = jnp.where(mask, jnp.exp(jnp.where(mask, logits, row_max) - row_max), 0.0)
-  total = jnp.sum(exps, axis=-1)
-  has_key = total > 0
-  lse = jnp.where(has_key, jnp.log(jnp.where(has_key, total, 1.0)) + row_max[..., 0],
-                  -jnp.inf)
-  if spec.z_loss_weight:
-    lse = _with_z_loss_gradient(lse, spec.z_loss_weight)
-  safe_lse = jnp.where(has_key, lse, 0.0)
-  probs = jnp.where(mask, jnp.exp(jnp.where(mask, logits - safe_lse[..., None], 0.0)), 0.0)
-  out = jnp.einsum("bhqk,bkhd->bqhd", probs, vc, precision=jax.lax.Precision.HIGHEST)
+    def split(x, axis=1):  # [B, T, ...] -> [blocks, B, rows, ...]
+      x = jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
+      x = x.reshape(x.shape[:axis] + (blocks, rows) + x.shape[axis + 1:])
+      return jnp.moveaxis(x, axis, 0)
+
+    @jax.checkpoint
+    def block(args):
+      q_rows, pos, seg_rows, temp_rows = args
+      return _query_rows(spec, q_rows, kc, vc, pos, seg_rows, segment_ids, temp_rows)
+
+    out, lse = jax.lax.map(block, (
+        split(qc), jnp.arange(blocks * rows).reshape(blocks, rows),
+        None if segment_ids is None else split(segment_ids),
+        None if temp is None else split(temp)))
+    out = jnp.moveaxis(out, 0, 1).reshape((spec.batch, blocks * rows) + out.shape[3:])[:, :t]
+    lse = jnp.moveaxis(lse, 0, 2).reshape(lse.shape[1:3] + (blocks * rows,))[..., :t]
   out = out.astype(q.dtype)
   if return_lse:
     return out, lse.astype(jnp.float32) if compute == jnp.float32 else lse

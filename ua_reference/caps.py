@@ -1,34 +1,26 @@
-"""Registry of logit-capping methods.
+"""The registry of logit-capping methods, part of the contract (docs/SEMANTICS.md).
 
 A cap method maps the scaled logits ``s = sm_scale * <q, k>`` elementwise to
 capped logits. Each method carries its forward and a hand-written derivative:
-the kernels use the derivative directly, the reference differentiates the
-forward with autodiff, and the suite checks the two against each other. Adding a
-method is one call to :func:`register_cap_method`; the kernels, the reference,
-the validation and the Hypothesis strategies all read this registry.
+an implementation may use the derivative directly (the kernels do), the
+reference differentiates the forward with autodiff, and the suite checks the
+two against each other. Adding a method is one call to
+:func:`register_cap_method`; the reference, the validation, the suite's
+strategies and any implementation that reads this registry pick it up.
 
 Every parameter of every method is a positive, finite scale (a cap in logit
-units); validation rejects anything else, and the strategies draw parameters
-around the logits' magnitude so that the cap is actually reached.
+units); validation rejects anything else, and the suite's strategies draw
+parameters around the logits' magnitude so that the cap is actually reached.
 
-A method may also give a fast evaluation of both functions, which the kernels
-use for bfloat16 inputs only, whose outputs are rounded to 2^-9 relative anyway
-(ua_kernels.attention._fast_cap says why not float16). The tanh family's fast
-form is one ``tanh.approx.f32`` instruction (ua_kernels.fast_math, about 2^-11
-relative): on the H200 an accurate tanh, two multi-function-unit operations per
-logit on top of the softmax's exp2, cost the forward about 35% of its speed
-(docs/BENCHMARKS.md). tests/test_cap_methods.py holds every fast form to
-FAST_CAP_TOLERANCE, and the bfloat16 properties of the suite hold the kernels
-that use them to the same tolerances as everything else.
+Two optional declarations describe the function, and the suite checks both
+(properties/cap_checks.py): ``homogeneous`` (cap(a*x; a*p) = a*cap(x; p) for
+a > 0), which lets an implementation move the first parameter into a later
+multiply, and ``bounds`` (the range of the outputs), which lets it shift its
+exponentials by a constant instead of a running row max.
 
-A method that declares ``bounds`` (the range of its outputs) lets the forward
-kernel shift its exp2 by a constant instead of a running row max
-(tile_math.fixed_shift); the suite checks the declaration.
-
-A method declared ``homogeneous`` (cap(a*x; a*p) = a*cap(x; p) for a > 0) lets
-the kernels move its first parameter into the softmax's exp2 multiply
-(tile_math.tile_logits), one multiply per logit fewer; the suite checks the
-declaration.
+These are the exact forms. An implementation may evaluate a cap with its own
+faster forms (ua_kernels registers approximate-tanh ones for bfloat16); it
+declares them to the suite with ``ua_cap_forms`` (docs/PLUGINS.md).
 """
 
 from __future__ import annotations
@@ -39,32 +31,20 @@ from typing import Callable, Sequence
 
 import jax.numpy as jnp
 
-from .fast_math import approx_tanh
-
-# Max |fast - exact| allowed beyond the exact form's own float32 error, relative
-# to the largest cap parameter (forward) or absolute (derivative, within [0, 1]):
-# float16's rounding, 2^-11, with a factor 2 for the derivative's 2t * dt.
-FAST_CAP_TOLERANCE = 2.0 ** -10
-
 CapFn = Callable[..., jnp.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
 class CapMethod:
-  """One registered cap: ``forward(x, *params)`` and ``grad(x, *params)``,
-  their fast forms for bfloat16 kernels (the exact ones unless given), and
-  whether it is positively homogeneous: forward(a*x, *(a*p)) = a*forward(x, *p)
-  for a > 0, which lets the kernels move the first parameter into the exp2's
-  multiply (tile_math.tile_logits), and ``bounds(*params) -> (lo, hi)``, the
-  range of forward over all x (None: unbounded), which lets the forward kernel
-  skip the running max (tile_math.fixed_shift)."""
+  """One registered cap: ``forward(x, *params)`` and its derivative
+  ``grad(x, *params)``; ``homogeneous``: forward(a*x, *(a*p)) = a*forward(x, *p)
+  for a > 0; ``bounds(*params) -> (lo, hi)``: the range of forward over all x
+  (None: unbounded)."""
 
   name: str
   param_names: tuple[str, ...]
   forward: CapFn
   grad: CapFn
-  fast_forward: CapFn
-  fast_grad: CapFn
   doc: str = ""
   homogeneous: bool = False
   bounds: Callable[..., tuple[float, float]] | None = None
@@ -102,18 +82,19 @@ CAP_METHODS: dict[str, CapMethod] = {}
 
 
 def register_cap_method(name: str, param_names: Sequence[str], forward: CapFn,
-                        grad: CapFn, doc: str = "", *, fast_forward: CapFn | None = None,
-                        fast_grad: CapFn | None = None, homogeneous: bool = False,
+                        grad: CapFn, doc: str = "", *, homogeneous: bool = False,
                         bounds: Callable[..., tuple[float, float]] | None = None
                         ) -> CapMethod:
-  """Registers a cap method; the whole suite picks it up with no other edit."""
+  """Registers a cap method; the reference and the suite pick it up with no other edit."""
   if not isinstance(name, str) or not name:
     raise ValueError(f"cap method name must be a non-empty string, got {name!r}")
   if name in CAP_METHODS:
     raise ValueError(f"cap method {name!r} is already registered")
-  method = CapMethod(name, tuple(param_names), forward, grad,
-                     fast_forward or forward, fast_grad or grad, doc, bool(homogeneous),
-                     bounds)
+  if not callable(forward) or not callable(grad):
+    raise TypeError(f"cap method {name!r}: forward and grad must be callables")
+  if bounds is not None and not callable(bounds):
+    raise TypeError(f"cap method {name!r}: bounds must be a callable(*params) -> (lo, hi)")
+  method = CapMethod(name, tuple(param_names), forward, grad, doc, bool(homogeneous), bounds)
   CAP_METHODS[name] = method
   return method
 
@@ -130,8 +111,8 @@ def get_cap_method(name: str) -> CapMethod:
 
 
 def _tanh_family(tanh):
-  """(forward, derivative) of c*tanh(x/c) in terms of (x, c, 1/c), built on the
-  given tanh: a multiply by a constant reciprocal, not a division per element."""
+  """(forward, derivative) of c*tanh(x/c) in terms of (x, c, 1/c): a multiply
+  by a constant reciprocal, not a division per element."""
   def forward(x, c, inv_c):
     return c * tanh(x * inv_c)
 
@@ -142,21 +123,30 @@ def _tanh_family(tanh):
   return forward, derivative
 
 
-_tanh, _tanh_deriv = _tanh_family(jnp.tanh)
-_fast_tanh, _fast_tanh_deriv = _tanh_family(approx_tanh)
-
-
-def _one_sided(fn):
+def _one_sided(fn: CapFn) -> CapFn:
   return lambda x, c: fn(x, c, 1.0 / c)
 
 
-def _two_sided(fn):
-  """c_pos for x >= 0, else c_neg: parameters chosen per element, so the
-  function is evaluated once, not on both sides."""
+def _two_sided(fn: CapFn) -> CapFn:
+  """c_pos for x >= 0, else c_neg: the parameters (and their reciprocals,
+  constants) are chosen per element, so fn is evaluated once, not per side."""
   def method(x, c_pos, c_neg):
     pos = x >= 0
     return fn(x, jnp.where(pos, c_pos, c_neg), jnp.where(pos, 1.0 / c_pos, 1.0 / c_neg))
   return method
+
+
+def tanh_cap(tanh) -> tuple[CapFn, CapFn]:
+  """(forward, derivative) of the ``tanh`` cap, c*tanh(x/c), built on the given
+  tanh function; implementations build faster forms from it with their own tanh."""
+  forward, derivative = _tanh_family(tanh)
+  return _one_sided(forward), _one_sided(derivative)
+
+
+def asym_tanh_cap(tanh) -> tuple[CapFn, CapFn]:
+  """(forward, derivative) of the ``asym_tanh`` cap built on the given tanh."""
+  forward, derivative = _tanh_family(tanh)
+  return _two_sided(forward), _two_sided(derivative)
 
 
 def _hard_forward(x, c):
@@ -169,9 +159,8 @@ register_cap_method(
     "none", (), lambda x: x, lambda x: jnp.ones_like(x),
     doc="identity: no cap")
 register_cap_method(
-    "tanh", ("c",), _one_sided(_tanh), _one_sided(_tanh_deriv),
+    "tanh", ("c",), *tanh_cap(jnp.tanh),
     doc="soft cap c*tanh(x/c); derivative 1 - tanh(x/c)^2",
-    fast_forward=_one_sided(_fast_tanh), fast_grad=_one_sided(_fast_tanh_deriv),
     homogeneous=True, bounds=lambda c: (-c, c))
 register_cap_method(
     "hard", ("c",), _hard_forward,
@@ -179,8 +168,7 @@ register_cap_method(
     doc="clip to [-c, c]; derivative 1 on [-c, c], 0 outside", homogeneous=True,
     bounds=lambda c: (-c, c))
 register_cap_method(
-    "asym_tanh", ("c_pos", "c_neg"), _two_sided(_tanh), _two_sided(_tanh_deriv),
+    "asym_tanh", ("c_pos", "c_neg"), *asym_tanh_cap(jnp.tanh),
     doc="tanh soft cap with separate scales for positive (c_pos) and negative "
         "(c_neg) logits; derivative 1 - tanh(x/c)^2 with c of x's side",
-    fast_forward=_two_sided(_fast_tanh), fast_grad=_two_sided(_fast_tanh_deriv),
     homogeneous=True, bounds=lambda c_pos, c_neg: (-c_neg, c_pos))

@@ -1,8 +1,8 @@
-"""Argument validation shared by every implementation of the contract.
+"""Argument validation: the contract's "bad input raises" clause as code.
 
-docs/SEMANTICS.md is the contract; this module turns its "bad input raises"
-clause into code once, so the reference and the kernels reject exactly the same
-inputs with the same messages. Everything static (flags, cap method and its
+docs/SEMANTICS.md is the contract; this module writes its "bad input" clause
+once, so that the reference and any implementation that imports it (the
+kernels do) reject exactly the same inputs with the same messages. Everything static (flags, cap method and its
 parameters, scales) is normalised into a hashable :class:`StaticSpec` that
 can key compilation caches.
 """
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cap_functions import CapMethod, get_cap_method
+from .caps import CapMethod, get_cap_method
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,167 @@
+"""Checks of one registered cap method, before any attention case runs.
+
+A cap method is a forward, a hand-written derivative and optional declarations
+(ua_reference.caps). Each check below raises CapCheckFailure naming the method,
+its parameters and the x where the declaration and the function disagree:
+
+- the derivative equals autodiff of the forward (float64);
+- declared ``bounds`` contain every output and are reached at +-inf;
+- declared ``homogeneous``: a*cap(x/a; p/a) = cap(x; p), derivatives likewise;
+- an implementation's own forms (``ua_cap_forms``) are within FORM_TOLERANCE.
+
+tests/test_cap_methods.py runs them on every registered method; ``ua-fuzz
+--cap NAME`` runs them on NAME first, so a wrong derivative is named as such
+instead of surfacing as dq/dk errors of attention cases.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from ua_reference.caps import CAP_METHODS, CapMethod
+
+from .runner import x64
+
+# Max |form - exact| allowed beyond the exact form's own float32 error, relative
+# to the largest cap parameter (forward) or absolute (derivative, within [0, 1]):
+# float16's rounding, 2^-11, with a factor 2 for the derivative's 2t * dt.
+FORM_TOLERANCE = 2.0 ** -10
+
+
+class CapCheckFailure(AssertionError):
+  pass
+
+
+def _fail(method: CapMethod, params, what: str, x=None, detail: str = ""):
+  at = "" if x is None else f" at x = {x!r}"
+  raise CapCheckFailure(f"cap method {method.name!r} with params {tuple(params)}: {what}{at}"
+                        + (f"; {detail}" if detail else ""))
+
+
+def _worst(xs, bad):
+  """The x of the worst disagreement (bad: array of excess per point)."""
+  return float(np.asarray(xs)[int(np.argmax(bad))])
+
+
+def check_derivative(method: CapMethod, params, xs) -> None:
+  with x64(True):
+    x = jnp.asarray(xs, jnp.float64)
+    auto = np.asarray(jax.vmap(jax.grad(lambda s: method.forward(s, *params)))(x))
+    hand = np.asarray(method.grad(x, *params))
+    fwd = np.asarray(method.forward(x, *params))
+  if not (np.isfinite(fwd).all() and np.isfinite(hand).all()):
+    bad = ~(np.isfinite(fwd) & np.isfinite(hand))
+    _fail(method, params, "non-finite forward or derivative", _worst(xs, bad))
+  excess = np.abs(hand - auto) - (1e-10 * np.abs(auto) + 1e-12)
+  if (excess > 0).any():
+    i = int(np.argmax(excess))
+    _fail(method, params, "the hand-written derivative differs from autodiff of the forward",
+          float(xs[i]), f"grad = {hand[i]!r}, autodiff = {auto[i]!r}")
+
+
+def check_bounds(method: CapMethod, params, xs) -> None:
+  if method.bounds is None:
+    return
+  lo, hi = method.bounds(*params)
+  ends = np.asarray([-1e30, 1e30, -np.inf, np.inf])
+  points = np.concatenate([np.asarray(xs, np.float64), ends])
+  with x64(True):
+    out = np.asarray(method.forward(jnp.asarray(points), *params))
+  outside = np.maximum(lo - out, out - hi)
+  if (outside > 0).any():
+    _fail(method, params, f"an output lies outside the declared bounds ({lo}, {hi})",
+          _worst(points, outside), f"output {out[int(np.argmax(outside))]!r}")
+  if not np.allclose(out[-4:-2], [lo, hi], rtol=1e-12):
+    _fail(method, params, f"the declared bounds ({lo}, {hi}) are not reached at -inf/+inf",
+          detail=f"outputs {out[-4:-2].tolist()}")
+
+
+def check_homogeneous(method: CapMethod, params, xs, a: float) -> None:
+  if not method.homogeneous:
+    return
+  with x64(True):
+    x = jnp.asarray(xs, jnp.float64)
+    scaled = tuple(c / a for c in params)
+    lhs = np.asarray(a * method.forward(x / a, *scaled))
+    rhs = np.asarray(method.forward(x, *params))
+    glhs = np.asarray(method.grad(x / a, *scaled))
+    grhs = np.asarray(method.grad(x, *params))
+  excess = np.abs(lhs - rhs) - (1e-12 * np.abs(rhs) + 1e-300)
+  if (excess > 0).any():
+    _fail(method, params, f"declared homogeneous, but a*cap(x/a; p/a) != cap(x; p) for a = {a}",
+          _worst(xs, excess))
+  # Derivative steps (the hard cap's) sit at |x| = a parameter; x/a may cross them.
+  kink = np.isclose(np.abs(xs)[:, None], np.asarray(params)[None, :], rtol=1e-6).any(axis=1)
+  excess = np.where(kink, 0.0, np.abs(glhs - grhs) - (1e-10 * np.abs(grhs) + 1e-12))
+  if (excess > 0).any():
+    _fail(method, params, f"declared homogeneous, but the derivative is not scale-free "
+          f"(a = {a})", _worst(xs, excess))
+
+
+def check_forms(method: CapMethod, forms, params, xs) -> None:
+  """An implementation's own (forward, grad) of the method, evaluated in float32
+  as a kernel would: |form - exact(float64)| may exceed the exact form's own
+  float32 error by at most FORM_TOLERANCE (times the largest parameter for the
+  forward)."""
+  if forms is None:
+    return
+  with x64(True):
+    x64_, x32 = jnp.asarray(xs, jnp.float64), jnp.asarray(xs, jnp.float32)
+    err = lambda a, b: np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+    for label, form, exact, scale in (
+        ("forward", forms[0], method.forward, max(params, default=1.0)),
+        ("derivative", forms[1], method.grad, 1.0)):
+      truth = exact(x64_, *params)
+      value = form(x32, *params)
+      if value.dtype != jnp.float32:
+        _fail(method, params, f"the implementation's {label} form returns {value.dtype}, "
+              "not float32")
+      excess = err(value, truth) - err(exact(x32, *params), truth) - FORM_TOLERANCE * scale
+      if (excess > 0).any():
+        _fail(method, params, f"the implementation's {label} form is off by more than "
+              f"{FORM_TOLERANCE} x {scale:g}", _worst(xs, excess))
+
+
+_scales = st.floats(1e-3, 1e4, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def cap_points(draw, names):
+  """(method name, params, xs): wide x, with points on and beside each parameter."""
+  name = draw(st.sampled_from(sorted(names)))
+  params = tuple(draw(_scales) for _ in CAP_METHODS[name].param_names)
+  xs = draw(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=64))
+  for c in params:
+    xs += [c, -c, c * (1 + 1e-9), -c * (1 + 1e-9), c * (1 - 1e-9)]
+  return name, params, np.asarray(xs, np.float64)
+
+
+def check_all(method: CapMethod, params, xs, forms=None, a: float = 3.7) -> None:
+  check_derivative(method, params, xs)
+  check_bounds(method, params, xs)
+  check_homogeneous(method, params, xs, a)
+  check_forms(method, forms, params, xs)
+
+
+def precheck(name: str, forms=None, examples: int = 300) -> str | None:
+  """Searches for a point where method ``name`` contradicts its declarations;
+  returns the first contradiction found (as a message) or None."""
+  method = CAP_METHODS[name]
+  found = []
+
+  @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+            phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+  @given(cap_points([name]), st.floats(1e-3, 1e3))
+  def search(point, a):
+    _, params, xs = point
+    check_all(method, params, xs, forms, a)
+
+  try:
+    search()
+  except CapCheckFailure as exc:
+    found.append(str(exc))
+  return found[0] if found else None

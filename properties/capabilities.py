@@ -1,0 +1,158 @@
+"""An implementation under test and what it declares it can do (docs/PLUGINS.md).
+
+Any callable with the contract's signature can be verified. It may declare,
+as attributes of the callable:
+
+- ``ua_unsupported``: contract features it lacks (names from case.FEATURES);
+- ``ua_dtypes``: the input dtype names it supports;
+- ``ua_head_dims``: the head dims it supports, a collection of ints or a predicate;
+- ``ua_block_sizes``: the tile lengths along the sequence it uses; the suite
+  then draws sequence lengths and windows around their edges in every profile;
+- ``ua_config``: ``(block_q, block_kv) -> config``: it takes a ``config``
+  keyword choosing its tiles, and the suite passes one built this way;
+- ``ua_cap_methods``: the registered cap methods it supports (default: all);
+- ``ua_cap_forms``: ``(cap_method) -> (forward, grad) | None``: its own
+  (faster) forms of a cap, which the cap checks compare with the exact ones.
+
+Nothing else whose name starts with ``ua_`` is accepted: a misspelt
+declaration is an error, not a silently wider test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+from .case import FEATURES, Case
+
+DTYPES = ("float32", "bfloat16", "float16")
+KNOWN_ATTRIBUTES = ("ua_unsupported", "ua_dtypes", "ua_head_dims", "ua_block_sizes",
+                    "ua_config", "ua_cap_methods", "ua_cap_forms")
+
+
+class CapabilityError(ValueError):
+  """A capability declaration that the suite cannot honour."""
+
+
+def _all_head_dims(d: int) -> bool:
+  return True
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Implementation:
+  """A callable under test, its name (``module:function``) and its declarations."""
+
+  name: str
+  fn: Callable
+  unsupported: frozenset = frozenset()
+  dtypes: tuple[str, ...] = DTYPES
+  head_dims: Callable[[int], bool] = _all_head_dims
+  block_sizes: tuple[int, ...] = ()
+  config: Callable[[int, int], Any] | None = None
+  cap_methods: frozenset | None = None   # None: every registered method
+  cap_forms: Callable[[str], Any] | None = None
+
+  def __call__(self, *args, **kwargs):
+    return self.fn(*args, **kwargs)
+
+  def supports(self, case: Case) -> str | None:
+    """None if the case is within the declarations, else why not."""
+    missing = case.features() & self.unsupported
+    if missing:
+      return f"declares {sorted(missing)} unsupported"
+    if case.dtype not in self.dtypes:
+      return f"declares dtypes {self.dtypes}, not {case.dtype}"
+    if not self.head_dims(case.head_dim):
+      return f"declares head dim {case.head_dim} unsupported"
+    if not self.supports_cap(case.cap_method):
+      return f"declares cap method {case.cap_method!r} unsupported"
+    return None
+
+  def supports_cap(self, name: str) -> bool:
+    return name == "none" or self.cap_methods is None or name in self.cap_methods
+
+  def call_kwargs(self, case: Case) -> dict:
+    """The contract's static keyword arguments for this case. The case's tiles
+    reach only an implementation that takes a config (``ua_config``); others
+    run the same inputs with their own."""
+    kwargs = dict(causal=case.causal, window_len=case.window_len,
+                  cap_method=case.cap_method, cap_params=case.cap_params,
+                  sm_scale=case.sm_scale, z_loss_weight=case.z_loss_weight,
+                  return_lse=case.return_lse)
+    if case.tiles is not None and self.config is not None:
+      kwargs["config"] = self.config(*case.tiles)
+    return kwargs
+
+
+def _head_dims(name: str, value) -> Callable[[int], bool]:
+  if callable(value):
+    return value
+  try:
+    dims = frozenset(value)
+  except TypeError:
+    raise CapabilityError(f"{name}.ua_head_dims must be a collection of ints or a "
+                          f"predicate, got {value!r}") from None
+  if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0
+                         for d in dims):
+    raise CapabilityError(f"{name}.ua_head_dims must hold positive ints, got {value!r}")
+  return dims.__contains__
+
+
+def _block_sizes(name: str, value) -> tuple[int, ...]:
+  try:
+    sizes = tuple(value)
+  except TypeError:
+    raise CapabilityError(f"{name}.ua_block_sizes must be a tuple of ints, got {value!r}") from None
+  if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+                          for b in sizes):
+    raise CapabilityError(f"{name}.ua_block_sizes must be positive ints, got {value!r}")
+  return tuple(sorted(set(sizes)))
+
+
+def declare(name: str, fn: Callable) -> Implementation:
+  """Reads and checks the ``ua_*`` declarations of ``fn`` (see the module doc)."""
+  if not callable(fn):
+    raise TypeError(f"{name} is not callable")
+  unknown = sorted(a for a in dir(fn) if a.startswith("ua_") and a not in KNOWN_ATTRIBUTES)
+  if unknown:
+    raise CapabilityError(f"{name} declares unknown attributes {unknown}; "
+                          f"known: {list(KNOWN_ATTRIBUTES)}")
+  kwargs: dict[str, Any] = {}
+  unsupported = frozenset(getattr(fn, "ua_unsupported", ()))
+  if unsupported - set(FEATURES):
+    raise CapabilityError(f"{name}.ua_unsupported names unknown features "
+                          f"{sorted(unsupported - set(FEATURES))}; known: {FEATURES}")
+  kwargs["unsupported"] = unsupported
+  if hasattr(fn, "ua_dtypes"):
+    dtypes = tuple(getattr(fn, "ua_dtypes"))
+    if not dtypes or set(dtypes) - set(DTYPES):
+      raise CapabilityError(f"{name}.ua_dtypes must name some of {DTYPES}, got {dtypes!r}")
+    kwargs["dtypes"] = tuple(d for d in DTYPES if d in dtypes)
+  if hasattr(fn, "ua_head_dims"):
+    kwargs["head_dims"] = _head_dims(name, fn.ua_head_dims)
+  if hasattr(fn, "ua_block_sizes"):
+    kwargs["block_sizes"] = _block_sizes(name, fn.ua_block_sizes)
+  if hasattr(fn, "ua_cap_methods"):
+    methods = getattr(fn, "ua_cap_methods")
+    if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
+      raise CapabilityError(f"{name}.ua_cap_methods must be a collection of cap method "
+                            f"names, got {methods!r}")
+    kwargs["cap_methods"] = frozenset(methods)
+  for attr in ("ua_config", "ua_cap_forms"):
+    if hasattr(fn, attr):
+      if not callable(getattr(fn, attr)):
+        raise CapabilityError(f"{name}.{attr} must be callable, got {getattr(fn, attr)!r}")
+      kwargs[attr[3:]] = getattr(fn, attr)
+  return Implementation(name, fn, **kwargs)
+
+
+def load_impl(spec: str) -> Implementation:
+  """Imports ``module:function`` (the function part may be dotted) with its declarations."""
+  if not isinstance(spec, str) or ":" not in spec:
+    raise ValueError(f"--impl must look like module:function, got {spec!r}")
+  module_name, attr = spec.split(":", 1)
+  obj = importlib.import_module(module_name)
+  for part in attr.split("."):
+    obj = getattr(obj, part)
+  return declare(spec, obj)

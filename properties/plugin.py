@@ -1,0 +1,344 @@
+"""The suite as a pytest plugin (entry point ``pytest11``; docs/PLUGINS.md).
+
+Installing unified-attention registers it in every pytest session of that
+environment; it only adds options and fixtures, and imports nothing heavy,
+until the suite's tests are collected: ``pytest --pyargs properties.suite
+--impl mypkg.mod:fn``. Options:
+
+  --impl MODULE:FUNCTION      implementation under test (default ua_kernels:attention)
+  --ua-import MODULES         comma-separated modules that register cap methods
+  --ua-report PATH            JSON report by feature group and property
+  --ua-failures DIR           where case files go (default ua-failures)
+  --ua-case-timeout SECONDS   a case running longer ends its worker, reported as a failure
+  --ua-minutes M              time box: tests not started by then are skipped
+  --ua-database DIR           Hypothesis example database (failures replay first)
+  --ua-shared-database DIR    a read-only database combined with it
+  --ua-compile-cache DIR      JAX's persistent compilation cache
+
+Profiles: ``--hypothesis-profile ua-ci|ua-dev|ua-fuzz|ua-gpu`` (properties/profiles.py).
+The report is built from the test reports' ``user_properties`` (one entry per
+case run), so it works the same under pytest-xdist.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import importlib
+import json
+import os
+import time
+
+import pytest
+
+from . import profiles
+
+profiles.register()
+
+DEFAULT_IMPL = "ua_kernels:attention"
+_RECORD = "ua_case"
+
+
+def pytest_addoption(parser):
+  group = parser.getgroup("unified-attention", "unified-attention verification suite")
+  group.addoption("--impl", default=DEFAULT_IMPL,
+                  help="implementation under test, as module:function")
+  group.addoption("--ua-import", default="",
+                  help="comma-separated modules that register cap methods")
+  group.addoption("--ua-report", default=None, help="write the JSON report here")
+  group.addoption("--ua-failures", default="ua-failures", help="directory of case files")
+  group.addoption("--ua-case-timeout", type=float, default=None,
+                  help="seconds after which a case counts as hung (ends its worker)")
+  group.addoption("--ua-minutes", type=float, default=None,
+                  help="time box: tests that would start later are skipped")
+  group.addoption("--ua-database", default=None,
+                  help="Hypothesis example database directory (default .hypothesis/ua-examples)")
+  group.addoption("--ua-shared-database", default=None,
+                  help="read-only example database combined with --ua-database")
+  group.addoption("--ua-compile-cache", default=None,
+                  help="directory of JAX's persistent compilation cache")
+
+
+def imported_modules(config) -> tuple[str, ...]:
+  return tuple(m.strip() for m in config.getoption("ua_import").split(",") if m.strip())
+
+
+def pytest_configure(config):
+  for module in imported_modules(config):
+    importlib.import_module(module)
+  cache = config.getoption("ua_compile_cache")
+  if cache:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  workerinput = getattr(config, "workerinput", None)
+  if workerinput is not None and "ua_deadline" in workerinput:
+    deadline = workerinput["ua_deadline"]
+  else:
+    minutes = config.getoption("ua_minutes")
+    deadline = None if minutes is None else time.time() + 60 * minutes
+  global _SESSION
+  _SESSION = config.stash[_STATE] = _State(deadline=deadline, started=time.time())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+  """pytest-xdist: every worker keeps the controller's time box."""
+  node.workerinput["ua_deadline"] = node.config.stash[_STATE].deadline
+
+
+@dataclasses.dataclass
+class _State:
+  deadline: float | None
+  started: float
+  records: list = dataclasses.field(default_factory=list)
+
+
+_STATE = pytest.StashKey[_State]()
+_SESSION: _State | None = None  # pytest_runtest_logreport gets no config
+
+
+# --------------------------------------------------------------------------- #
+# The tests: one per property, per dtype for oracle properties, in chunks.
+
+@dataclasses.dataclass(frozen=True)
+class PropertyTest:
+  property: str
+  dtype: str | None = None
+  chunk: int = 0
+  chunks: int = 1
+
+  @property
+  def id(self) -> str:
+    parts = [self.property] + ([self.dtype] if self.dtype else [])
+    return "-".join(parts + ([f"c{self.chunk:02d}"] if self.chunks > 1 else []))
+
+
+def property_tests(profile) -> list[PropertyTest]:
+  from .capabilities import DTYPES
+  from .registry import PROPERTIES
+  tests = []
+  for prop in PROPERTIES:
+    if not prop.per_dtype:
+      tests.append(PropertyTest(prop.name))
+      continue
+    chunks = profile.oracle_chunks if prop.oracle else 1
+    tests += [PropertyTest(prop.name, dtype, chunk, chunks)
+              for chunk in range(chunks) for dtype in DTYPES]
+  return tests
+
+
+def pytest_generate_tests(metafunc):
+  if "ua_property_test" in metafunc.fixturenames:
+    tests = property_tests(profiles.active())
+    metafunc.parametrize("ua_property_test", tests, ids=[t.id for t in tests])
+
+
+class Suite:
+  """What the suite's tests share in one session (worker): the implementation,
+  the profile, the verifier and the Hypothesis settings."""
+
+  def __init__(self, config):
+    self.config = config
+    self.profile = profiles.active()
+    self.impl_name = config.getoption("impl")
+    self.imports = imported_modules(config)
+    self._impl = None
+
+  @property
+  def impl(self):
+    if self._impl is None:
+      from .capabilities import load_impl
+      self._impl = load_impl(self.impl_name)
+    return self._impl
+
+  def database(self):
+    from hypothesis.database import (DirectoryBasedExampleDatabase, MultiplexedDatabase,
+                                     ReadOnlyDatabase)
+    if self.profile.hypothesis.get("database", True) is None:
+      return None
+    local = DirectoryBasedExampleDatabase(
+        self.config.getoption("ua_database") or os.path.join(".hypothesis", "ua-examples"))
+    shared = self.config.getoption("ua_shared_database")
+    if shared:
+      return MultiplexedDatabase(local, ReadOnlyDatabase(DirectoryBasedExampleDatabase(shared)))
+    return local
+
+  def run(self, test: PropertyTest, node) -> None:
+    """Runs one property test: Hypothesis draws configurations, each runs with
+    the profile's number of input seeds."""
+    import hypothesis
+    from hypothesis import given, settings
+
+    from .registry import get
+    from .strategies import cases
+    from .verifier import Verifier
+
+    state = self.config.stash[_STATE]
+    if state.deadline is not None and time.time() > state.deadline:
+      pytest.skip("the campaign's time box (--ua-minutes) is spent")
+    prop, impl = get(test.property), self.impl
+    why = _unsupported(prop, impl, test.dtype)
+    if why:
+      pytest.skip(why)
+    buckets = self.profile.buckets
+    if test.dtype is not None:
+      buckets = dataclasses.replace(buckets, dtypes=(test.dtype,))
+    strategy = cases(buckets, impl, prop.require, prop.forbid, prop.any_of).filter(prop.applies)
+    verifier = Verifier(impl, self.config.getoption("ua_failures"), self.imports,
+                        record=lambda r: node.user_properties.append((_RECORD, r)),
+                        case_timeout=self.config.getoption("ua_case_timeout"))
+    seeds = self.profile.seeds if prop.oracle else 1
+    # Each chunk starts from Hypothesis's simplest configuration; an offset per
+    # chunk gives that one (and every other) different inputs in each chunk.
+    offset = 104729 * test.chunk
+
+    def body(case):
+      worst = 0.0
+      for i in range(seeds):
+        errors = verifier.check(prop, dataclasses.replace(
+            case, seed=(case.seed + offset + 7919 * i) % 2 ** 31))
+        worst = max([worst] + [e.ratio for e in errors if e.ratio != float("inf")])
+      hypothesis.target(worst, label="error/tolerance")
+
+    body.__name__ = body.__qualname__ = test.id.replace("-", "_")  # its own database key
+    run = given(case=strategy)(body)
+    run = settings(settings.get_profile(self.profile.hypothesis_name), database=self.database(),
+                   max_examples=self.profile.examples(prop.examples, prop.oracle))(run)
+    if test.chunks > 1:
+      run = hypothesis.seed(test.chunk)(run)
+    run()
+
+
+def _unsupported(prop, impl, dtype) -> str | None:
+  from ua_reference.caps import CAP_METHODS
+  missing = set(prop.require) & impl.unsupported
+  if missing:
+    return f"{impl.name} declares {sorted(missing)} unsupported"
+  if prop.any_of and prop.any_of <= (impl.unsupported | prop.forbid):
+    return f"{impl.name} supports none of {sorted(prop.any_of)}"
+  if dtype is not None and dtype not in impl.dtypes:
+    return f"{impl.name} declares dtypes {impl.dtypes}"
+  if prop.uses_cap_method and not (prop.uses_cap_method in CAP_METHODS
+                                   and impl.supports_cap(prop.uses_cap_method)):
+    return f"needs cap method {prop.uses_cap_method!r}, unregistered or unsupported"
+  return None
+
+
+@pytest.fixture(scope="session")
+def ua_suite(request):
+  return Suite(request.config)
+
+
+@pytest.fixture(scope="session")
+def impl(ua_suite):
+  """The implementation under test (properties.capabilities.Implementation)."""
+  return ua_suite.impl
+
+
+# --------------------------------------------------------------------------- #
+# The report, from the test reports.
+
+def pytest_runtest_logreport(report):
+  records = [value for name, value in report.user_properties if name == _RECORD]
+  if records and report.when == "call" and _SESSION is not None:
+    _SESSION.records.extend(records)
+
+
+def _crashed_cases(failures_dir: str, since: float) -> list[dict]:
+  """Case files left ``running`` or ``timeout`` by this session: their worker died."""
+  out = []
+  for path in sorted(glob.glob(os.path.join(failures_dir, "*.json"))):
+    try:
+      if os.path.getmtime(path) < since - 1:
+        continue
+      with open(path) as f:
+        payload = json.load(f)
+    except (OSError, ValueError):
+      continue
+    if payload.get("status") in ("running", "timeout"):
+      if payload["status"] == "running":
+        payload["status"] = "crashed"
+        with open(path, "w") as f:
+          json.dump(payload, f, indent=1, sort_keys=True)
+      out.append({"property": payload["property"], "status": payload["status"],
+                  "replay": payload.get("replay", f"ua-repro {path}")})
+  return out
+
+
+def build_report(records: list[dict], crashed: list[dict], seconds: float) -> dict:
+  def table():
+    return collections.defaultdict(lambda: {"cases": 0, "failures": 0, "harness_errors": 0,
+                                            "worst_ratio": 0.0, "seconds": 0.0})
+  groups, props = table(), table()
+  failures, oracle_cases = [], 0
+  for r in records:
+    oracle_cases += r["oracle"]
+    for row in [groups[g] for g in r["groups"]] + [props[r["property"]]]:
+      row["cases"] += 1
+      row["failures"] += r["status"] == "failed"
+      row["harness_errors"] += r["status"] == "harness"
+      row["seconds"] = round(row["seconds"] + r["seconds"], 3)
+      ratio = r["ratio"]
+      row["worst_ratio"] = max(row["worst_ratio"], float("inf") if ratio is None else ratio)
+    if r["status"] != "passed":
+      failures.append({k: r[k] for k in ("property", "status", "replay", "failed_outputs")})
+  for c in crashed:
+    props[c["property"]]["failures"] += 1
+  minutes = max(seconds, 1e-9) / 60
+  return {"cases": len(records), "oracle_cases": oracle_cases, "seconds": round(seconds, 1),
+          "cases_per_minute": round(len(records) / minutes, 1),
+          "oracle_cases_per_minute": round(oracle_cases / minutes, 1),
+          "feature_groups": dict(sorted(groups.items())), "properties": dict(sorted(props.items())),
+          "failures": failures, "crashed": crashed}
+
+
+def _print_table(write, title, table):
+  write(f"\n{title:38} {'cases':>6} {'failures':>8} {'harness':>8} {'worst err/tol':>14} "
+        f"{'seconds':>8}\n")
+  for name, row in table.items():
+    ratio = row["worst_ratio"]
+    ratio = "inf" if ratio == float("inf") else f"{ratio:.3f}"
+    write(f"{name:38} {row['cases']:6d} {row['failures']:8d} {row['harness_errors']:8d} "
+          f"{ratio:>14} {row['seconds']:8.1f}\n")
+
+
+def pytest_sessionfinish(session):
+  config = session.config
+  if hasattr(config, "workerinput") or _STATE not in config.stash:
+    return
+  state = config.stash[_STATE]
+  crashed = _crashed_cases(config.getoption("ua_failures"), state.started)
+  if not state.records and not crashed:
+    return
+  report = build_report(state.records, crashed, time.time() - state.started)
+  report.update(impl=config.getoption("impl"), profile=profiles.active().name,
+                exit_status=int(session.exitstatus))
+  config.stash[_REPORT] = report
+  path = config.getoption("ua_report")
+  if path:
+    with open(path, "w") as f:
+      json.dump(report, f, indent=1, default=str)
+
+
+_REPORT = pytest.StashKey[dict]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  report = config.stash.get(_REPORT, None)
+  if report is None:
+    return
+  write = terminalreporter.write
+  terminalreporter.section("unified-attention verification")
+  _print_table(write, "feature group", report["feature_groups"])
+  _print_table(write, "property", report["properties"])
+  write(f"\n{report['cases']} cases ({report['oracle_cases']} against the oracle) in "
+        f"{report['seconds']} s: {report['cases_per_minute']} cases/min, "
+        f"{report['oracle_cases_per_minute']} oracle cases/min\n")
+  seen = set()
+  for f in report["failures"] + report["crashed"]:
+    if f["replay"] not in seen:
+      seen.add(f["replay"])
+      kind = {"harness": "harness error", "failed": "failure"}.get(f["status"], f["status"])
+      write(f"{kind}: {f['property']}: {f['replay']}\n")

@@ -1,0 +1,79 @@
+"""The one registry of properties: what each checks and which cases it is drawn on.
+
+The suite's test module (properties/suite.py), ua-verify, ua-fuzz and the
+plugin tests all read PROPERTIES. A property is drawn only on cases where it
+applies, so none passes without comparing something (the verifier also
+refuses a check that returns no comparison).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from . import checks
+from .case import Case
+
+
+def _always(case: Case) -> bool:
+  return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Property:
+  """One property: ``check(impl, case)``, the features a case must have
+  (``require``), must not have (``forbid``) and of which it must have at least
+  one (``any_of``), when it applies beyond those (``applies``), its example
+  budget in the ci profile, and whether it runs as one test per dtype."""
+
+  name: str
+  check: Callable
+  examples: int
+  require: frozenset = frozenset()
+  forbid: frozenset = frozenset()
+  any_of: frozenset = frozenset()
+  applies: Callable[[Case], bool] = _always
+  per_dtype: bool = False
+  oracle: bool = False  # compares with the float64 oracle (counts as an oracle case)
+  uses_cap_method: str | None = None  # a cap method the check itself calls with
+
+  @property
+  def doc(self) -> str:
+    return (self.check.__doc__ or "").strip().splitlines()[0]
+
+
+def _longer_than_one(case: Case) -> bool:
+  return case.seq_len > 1
+
+
+def _hides_a_key(case: Case) -> bool:
+  return checks.hidden_key_sets(case) is not None
+
+
+PROPERTIES = (
+    Property("matches_oracle", checks.matches_oracle, 15, per_dtype=True, oracle=True),
+    Property("key_permutation_invariance", checks.key_permutation_invariance, 4,
+             forbid=frozenset({"causal", "window", "segment_ids"}), applies=_longer_than_one),
+    Property("packed_equals_separate", checks.packed_equals_separate, 4,
+             require=frozenset({"segment_ids"})),
+    Property("hidden_keys_do_not_leak", checks.hidden_keys_do_not_leak, 5,
+             any_of=frozenset({"causal", "window", "segment_ids"}), applies=_hides_a_key),
+    Property("zero_z_loss_is_no_z_loss", checks.zero_z_loss_is_no_z_loss, 3),
+    Property("unit_temperature_is_none", checks.unit_temperature_is_none, 3,
+             require=frozenset({"temperature"})),
+    Property("huge_tanh_cap_is_no_cap", checks.huge_tanh_cap_is_no_cap, 3,
+             require=frozenset({"cap"}), uses_cap_method="tanh"),
+    Property("window_covering_sequence_is_no_window",
+             checks.window_covering_sequence_is_no_window, 3, require=frozenset({"window"})),
+    Property("gqa_equals_repeated_heads", checks.gqa_equals_repeated_heads, 4,
+             require=frozenset({"gqa"})),
+    Property("deterministic", checks.deterministic, 3),
+)
+BY_NAME = {p.name: p for p in PROPERTIES}
+
+
+def get(name: str) -> Property:
+  try:
+    return BY_NAME[name]
+  except KeyError:
+    raise ValueError(f"unknown property {name!r}; known: {sorted(BY_NAME)}") from None

@@ -1,0 +1,130 @@
+"""Runs one property on one case, crash-safe, and says how to replay it.
+
+Before a case runs, its case file is written with status ``running``: a case
+that kills its process (an illegal address, an abort) or hangs leaves it
+behind, and the plugin reports it as a failure with its replay command
+(docs/PLUGINS.md). A watchdog ends a case that runs past ``case_timeout``
+seconds the same way, after marking its file ``timeout``. A case that passes
+removes its file; one that fails keeps it with its errors.
+
+An error raised by the oracle or the reference is a harness error: recorded
+and reported as such, never as a failure of the implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from .capabilities import Implementation
+from .case import Case, write_case_file
+from .registry import Property
+from .runner import HarnessError, baseline
+from .tolerance import OutputError
+
+
+class CaseFailure(AssertionError):
+  """A property failed on a case: the implementation is wrong (or raised)."""
+
+  def __init__(self, message: str, case: Case, errors=(), replay: str = ""):
+    super().__init__(message)
+    self.case, self.errors, self.replay = case, list(errors), replay
+
+  @property
+  def failed_outputs(self) -> list[str]:
+    return sorted(e.name for e in self.errors if not e.ok)
+
+
+class HarnessFailure(CaseFailure):
+  """The oracle or the reference could not evaluate a case (not the implementation)."""
+
+
+def replay_command(path: str, impl_name: str, imports=()) -> str:
+  cmd = f"ua-repro {path} --impl {impl_name}"
+  return cmd + (f" --import {','.join(imports)}" if imports else "")
+
+
+class _Watchdog:
+  """Marks the case file ``timeout`` and ends the process when a case runs too long."""
+
+  def __init__(self, seconds: float | None, on_timeout: Callable[[], None]):
+    self._timer = None
+    if seconds:
+      self._timer = threading.Timer(seconds, self._fire, args=(on_timeout,))
+      self._timer.daemon = True
+      self._timer.start()
+
+  @staticmethod
+  def _fire(on_timeout):
+    try:
+      on_timeout()
+    finally:
+      os._exit(70)  # the worker is replaced (pytest-xdist); the campaign goes on
+
+  def cancel(self):
+    if self._timer is not None:
+      self._timer.cancel()
+
+
+@dataclasses.dataclass
+class Verifier:
+  """Checks properties of one implementation.
+
+  ``record`` receives one dict per case run (the plugin turns them into the
+  report); ``imports`` are the modules that register cap methods, for the
+  replay command.
+  """
+
+  impl: Implementation
+  failures_dir: str = "ua-failures"
+  imports: tuple[str, ...] = ()
+  record: Callable[[dict], None] | None = None
+  case_timeout: float | None = None
+
+  def check(self, prop: Property, case: Case) -> list[OutputError]:
+    os.makedirs(self.failures_dir, exist_ok=True)
+    path = os.path.join(self.failures_dir, f"{prop.name}-{case.digest()}.json")
+    replay = replay_command(path, self.impl.name, self.imports)
+    write = lambda status, errors=(), message="": write_case_file(
+        path, case, prop.name, self.impl.name, status=status, errors=errors,
+        message=message, imports=self.imports, replay=replay)
+    write("running")
+    watchdog = _Watchdog(self.case_timeout, lambda: write(
+        "timeout", message=f"the case ran past its timeout of {self.case_timeout} s"))
+    start = time.perf_counter()
+    try:
+      baseline(case)
+      errors = prop.check(self.impl, case)
+      if not errors:
+        raise AssertionError(f"{prop.name} compared nothing on this case")
+    except HarnessError as exc:
+      write("harness", message=str(exc))
+      self._record(prop, case, "harness", [], start, replay)
+      raise HarnessFailure(f"harness error (not the implementation's): {prop.name} on {case}\n"
+                           f"{exc}\nreplay: {replay}", case, (), replay) from exc
+    except Exception as exc:  # noqa: BLE001 -- any failure is a finding
+      errors = getattr(exc, "errors", [])
+      write("failed", [e.to_dict() for e in errors], f"{type(exc).__name__}: {exc}")
+      self._record(prop, case, "failed", errors, start, replay)
+      raise CaseFailure(f"{prop.name} failed for {self.impl.name} on {case}\n"
+                        f"{type(exc).__name__}: {exc}\nreplay: {replay}", case, errors,
+                        replay) from exc
+    finally:
+      watchdog.cancel()
+    os.remove(path)
+    self._record(prop, case, "passed", errors, start, "")
+    return errors
+
+  def _record(self, prop, case, status, errors, start, replay):
+    if self.record is None:
+      return
+    ratio = max((e.ratio for e in errors), default=0.0)
+    self.record({"property": prop.name, "oracle": prop.oracle, "groups": case.groups(),
+                 "status": status, "ratio": ratio if np.isfinite(ratio) else None,
+                 "seconds": round(time.perf_counter() - start, 3), "replay": replay,
+                 "failed_outputs": sorted(e.name for e in errors if not e.ok)})

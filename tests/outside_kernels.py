@@ -1,0 +1,66 @@
+"""Implementations from "outside" the project, for the suite's own tests: each
+is a plain function with the contract's signature and ``ua_*`` declarations,
+loaded by the suite as ``outside_kernels:<name>`` (tests put this directory on
+PYTHONPATH), as a user's kernel would be.
+"""
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+import ua_reference
+
+TILE = 64
+
+
+def window_bug_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
+                         cap_method="none", cap_params=(), temperature=None, sm_scale=None,
+                         z_loss_weight=0.0, return_lse=False):
+  """Attention over 64-row tiles whose window's first key tile is counted back
+  from the last visited tile: ``lo = max(hi - (W + 64) // 64, 0)`` (the
+  original kernel's defect O3, docs/DEFECTS.md). With causal the last tile is
+  the query's own and the bound is nearly right; without it the last tile is
+  the sequence's last, and queries more than a tile or two from the end lose
+  keys they can see. Only sequences crossing three 64-row tiles show it."""
+  b, t, hq, d = q.shape
+  g = hq // k.shape[2]
+  sm = d ** -0.5 if sm_scale is None else sm_scale
+  kr, vr = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+  logits = sm * jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kr.astype(jnp.float32))
+  mask = ua_reference.visible_keys(t, None, causal, window_len)[0]
+  if window_len > 0:
+    i, j = jnp.arange(t), jnp.arange(t)
+    n_tiles = -(-t // TILE)
+    hi = (i // TILE + 1) if causal else jnp.full((t,), n_tiles)
+    lo = jnp.maximum(hi - (window_len + TILE) // TILE, 0)
+    mask = mask & (j[None, :] // TILE >= lo[:, None])
+  logits = jnp.where(mask, logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, vr.astype(jnp.float32)).astype(q.dtype)
+
+
+window_bug_attention.ua_unsupported = {"segment_ids", "cap", "temperature", "z_loss", "lse"}
+window_bug_attention.ua_block_sizes = (TILE,)
+
+
+def _reference_unless(condition, action):
+  def attention(q, k, v, **kwargs):
+    if condition(q):
+      action()
+    return ua_reference.attention(q, k, v, **kwargs)
+  return attention
+
+
+def _die():
+  os._exit(134)  # what an illegal address or an abort does to the worker
+
+
+def _hang():
+  time.sleep(3600)
+
+
+# Correct but for sequences longer than 16, where the process dies / hangs.
+crashing_attention = _reference_unless(lambda q: q.shape[1] > 16, _die)
+hanging_attention = _reference_unless(lambda q: q.shape[1] > 16, _hang)

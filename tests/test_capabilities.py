@@ -1,0 +1,76 @@
+"""Capability declarations (properties/capabilities.py): read, checked, and
+honoured by the strategies."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from properties.capabilities import CapabilityError, declare
+from properties.profiles import PROFILES
+from properties.strategies import cases
+
+
+def _fn(**attrs):
+  def attention(q, k, v, **kwargs):
+    raise AssertionError("not called")
+  for name, value in attrs.items():
+    setattr(attention, name, value)
+  return attention
+
+
+@pytest.mark.parametrize("attrs, message", [
+    (dict(ua_unsuported={"cap"}), "unknown attributes \\['ua_unsuported'\\]"),
+    (dict(ua_unsupported={"caps"}), "unknown features \\['caps'\\]"),
+    (dict(ua_dtypes=("float64",)), "ua_dtypes must name some of"),
+    (dict(ua_dtypes=()), "ua_dtypes must name some of"),
+    (dict(ua_head_dims=(64, "128")), "positive ints"),
+    (dict(ua_head_dims=5), "collection of ints or a predicate"),
+    (dict(ua_block_sizes=(64, 0)), "positive ints"),
+    (dict(ua_block_sizes=64), "tuple of ints"),
+    (dict(ua_config=(64, 64)), "ua_config must be callable"),
+])
+def test_bad_declarations_are_errors(attrs, message):
+  with pytest.raises(CapabilityError, match=message):
+    declare("mod:attention", _fn(**attrs))
+
+
+def _drawn(impl, n=150, **kwargs):
+  seen = []
+
+  @settings(max_examples=n, derandomize=True, database=None, deadline=None,
+            suppress_health_check=list(HealthCheck))
+  @given(cases(PROFILES["ci"].buckets, impl, **kwargs))
+  def collect(case):
+    seen.append(case)
+
+  collect()
+  return seen
+
+
+def test_strategies_honour_dtypes_head_dims_and_features():
+  impl = declare("mod:attention", _fn(ua_dtypes=("bfloat16",), ua_head_dims=lambda d: d % 16 == 0,
+                                      ua_unsupported={"window", "gqa"}))
+  drawn = _drawn(impl)
+  assert {c.dtype for c in drawn} == {"bfloat16"}
+  assert all(c.head_dim % 16 == 0 and not c.window_len and c.num_q_heads == c.num_kv_heads
+             for c in drawn)
+  assert all(c.tiles is None for c in drawn)  # it takes no config
+
+
+def test_declared_block_sizes_put_lengths_and_windows_at_tile_edges():
+  """Every profile, ci included, draws k*b - 1, k*b and k*b + 1 for k up to 3."""
+  impl = declare("mod:attention", _fn(ua_block_sizes=(64,)))
+  drawn = _drawn(impl, n=400, require=frozenset({"window"}))
+  lengths = {c.seq_len for c in drawn}
+  assert {63, 64, 65, 127, 128, 129, 191, 192, 193} <= lengths, sorted(lengths)
+  windows = {c.window_len for c in drawn}
+  assert {63, 64, 65, 127, 128, 129} <= windows, sorted(windows)
+
+
+def test_a_config_gets_the_drawn_tiles():
+  made = []
+  impl = declare("mod:attention", _fn(ua_config=lambda bq, bkv: made.append((bq, bkv)) or "cfg"))
+  drawn = _drawn(impl)
+  tiles = {c.tiles for c in drawn}
+  assert {(16, 16), (32, 16), (16, 32)} <= tiles
+  case = next(c for c in drawn if c.tiles is not None)
+  assert impl.call_kwargs(case)["config"] == "cfg" and made[-1] == case.tiles

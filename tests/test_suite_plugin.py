@@ -1,0 +1,86 @@
+"""The suite as users run it: the installed plugin collecting properties.suite
+against outside implementations (tests/outside_kernels.py), in a subprocess in
+an empty directory. Declared tiles expose a tile-bound defect in the ci
+profile; a crashing or hanging case is reported with its case file and replay
+command, and the run goes on; the oracle's own errors are the harness's."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from properties import registry, verifier as verifier_module
+from properties.case import Case, load_case_file
+from properties.runner import REFERENCE, HarnessError
+from properties.verifier import HarnessFailure, Verifier
+
+TESTS = Path(__file__).parent
+
+
+def run_suite(tmp_path, impl, *args, timeout=900):
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(TESTS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  report = tmp_path / "report.json"
+  cmd = [sys.executable, "-m", "pytest", "--pyargs", "properties.suite", "-q",
+         "-p", "no:cacheprovider", f"--impl={impl}", f"--ua-report={report}",
+         f"--ua-failures={tmp_path / 'failures'}", *args]
+  proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+  return proc, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def test_declared_tiles_expose_a_window_bound_defect_in_the_ci_profile(tmp_path):
+  """ua_block_sizes = (64,): the ci profile draws lengths and windows around
+  64-row tile edges (lengths up to 3 * 64 + 1), where the window bound of
+  outside_kernels's implementation drops visible keys."""
+  proc, report = run_suite(tmp_path, "outside_kernels:window_bug_attention",
+                           "-k", "matches_oracle or hidden_keys")
+  assert proc.returncode == 1, proc.stdout[-3000:]
+  failed = [f for f in report["failures"] if f["status"] == "failed"]
+  assert failed, report
+  cases = [load_case_file(p)["case"] for p in (tmp_path / "failures").glob("*.json")]
+  assert any(0 < c.window_len < c.seq_len and c.seq_len > 64 for c in cases), cases
+
+
+def test_a_crashing_case_is_reported_and_the_run_goes_on(tmp_path):
+  proc, report = run_suite(tmp_path, "outside_kernels:crashing_attention",
+                           "-n", "1", "-k", "matches_oracle and (float32 or float16) and not bfloat16")
+  assert proc.returncode == 1
+  crashed = report["crashed"]
+  assert len(crashed) == 2, report  # one per test: the worker was replaced after the first
+  files = sorted((tmp_path / "failures").glob("*.json"))
+  payloads = [load_case_file(p) for p in files]
+  assert {p["status"] for p in payloads} == {"crashed"}
+  assert all(p["case"].seq_len > 16 and p["replay"].startswith("ua-repro ") for p in payloads)
+  assert crashed[0]["replay"] in proc.stdout
+
+
+def test_a_hanging_case_is_ended_by_its_timeout(tmp_path):
+  proc, report = run_suite(tmp_path, "outside_kernels:hanging_attention", "-n", "1",
+                           "--ua-case-timeout=30", "-k", "matches_oracle and float32")
+  assert proc.returncode == 1
+  assert [c["status"] for c in report["crashed"]] == ["timeout"], report
+
+
+def test_a_spent_time_box_skips_the_rest(tmp_path):
+  proc, report = run_suite(tmp_path, "ua_reference:attention", "--ua-minutes=0",
+                           "-k", "deterministic")
+  assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_an_oracle_error_is_a_harness_error(tmp_path, monkeypatch):
+  """Not a failure of the implementation: reported as the harness's, with its case."""
+  def broken_baseline(case):
+    raise HarnessError("out of memory (simulated)")
+  monkeypatch.setattr(verifier_module, "baseline", broken_baseline)
+  records = []
+  verifier = Verifier(REFERENCE, str(tmp_path), record=records.append)
+  case = Case(batch=1, seq_len=5, num_q_heads=1, num_kv_heads=1, head_dim=16, dtype="float32")
+  with pytest.raises(HarnessFailure, match="harness error"):
+    verifier.check(registry.get("matches_oracle"), case)
+  [path] = tmp_path.glob("*.json")
+  assert load_case_file(path)["status"] == "harness"
+  assert records[0]["status"] == "harness"

@@ -1,0 +1,49 @@
+"""The kernels' own forms of the cap methods: the exact ones of the contract's
+registry (ua_reference.caps), or a registered fast form.
+
+A fast form is used for bfloat16 inputs only, whose outputs are rounded to
+2^-9 relative anyway (ua_kernels.attention._fast_cap says why not float16).
+The tanh family's fast form is one ``tanh.approx.f32`` instruction
+(ua_kernels.fast_math, about 2^-11 relative): on the H200 an accurate tanh, two
+multi-function-unit operations per logit on top of the softmax's exp2, cost
+the forward about 35% of its speed (docs/BENCHMARKS.md, "What moved the
+forward"). The kernels declare these forms to the suite (``ua_cap_forms``), which
+holds them to properties.cap_checks.FORM_TOLERANCE of the exact ones; the
+bfloat16 properties hold the kernels that use them to the same tolerances as
+everything else.
+
+A method registered in ua_reference without a fast form here runs with its
+exact form: registering a cap needs no edit of the kernels.
+"""
+
+from __future__ import annotations
+
+from ua_reference.caps import CapFn, CapMethod, asym_tanh_cap, get_cap_method, tanh_cap
+
+from .fast_math import approx_tanh
+
+FAST_FORMS: dict[str, tuple[CapFn, CapFn]] = {}
+
+
+def register_fast_form(name: str, forward: CapFn, grad: CapFn) -> None:
+  """Registers the kernels' fast (bfloat16) form of a registered cap method."""
+  get_cap_method(name)  # must exist in the contract's registry
+  if name in FAST_FORMS:
+    raise ValueError(f"a fast form of cap method {name!r} is already registered")
+  FAST_FORMS[name] = (forward, grad)
+
+
+def forms(method: CapMethod, fast: bool) -> tuple[CapFn, CapFn]:
+  """(forward, grad) the kernels evaluate for ``method``."""
+  if fast and method.name in FAST_FORMS:
+    return FAST_FORMS[method.name]
+  return method.forward, method.grad
+
+
+def fast_forms(name: str) -> tuple[CapFn, CapFn] | None:
+  """The fast form of a cap method, or None (the suite's ``ua_cap_forms``)."""
+  return FAST_FORMS.get(name)
+
+
+register_fast_form("tanh", *tanh_cap(approx_tanh))
+register_fast_form("asym_tanh", *asym_tanh_cap(approx_tanh))
