@@ -10,7 +10,7 @@ until the suite's tests are collected: ``pytest --pyargs properties.suite
   --ua-report PATH            JSON report by feature group and property
   --ua-failures DIR           where case files go (default ua-failures)
   --ua-case-timeout SECONDS   a case running longer ends its worker, reported as a failure
-  --ua-minutes M              time box: tests not started by then are skipped
+  --ua-minutes M              time box: no configuration starts after it
   --ua-database DIR           Hypothesis example database (failures replay first)
   --ua-shared-database DIR    a read-only database combined with it
   --ua-compile-cache DIR      JAX's persistent compilation cache
@@ -51,7 +51,7 @@ def pytest_addoption(parser):
   group.addoption("--ua-case-timeout", type=float, default=None,
                   help="seconds after which a case counts as hung (ends its worker)")
   group.addoption("--ua-minutes", type=float, default=None,
-                  help="time box: tests that would start later are skipped")
+                  help="time box: no configuration starts after it (tests not started are skipped)")
   group.addoption("--ua-database", default=None,
                   help="Hypothesis example database directory (default .hypothesis/ua-examples)")
   group.addoption("--ua-shared-database", default=None,
@@ -195,6 +195,8 @@ class Suite:
     offset = 104729 * test.chunk
 
     def body(case):
+      if state.deadline is not None and time.time() > state.deadline:
+        return  # the time box is spent: the remaining examples run nothing
       worst = 0.0
       for i in range(seeds):
         errors = verifier.check(prop, dataclasses.replace(

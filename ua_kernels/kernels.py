@@ -115,18 +115,22 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref
 
 def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref, delta_ref,
                dk_ref, dv_ref, *, spec: StaticSpec, block_q: int, block_kv: int,
-               padded: bool, fast_cap: bool):
+               padded: bool, fast_cap: bool, per_head_totals: bool):
   """dk, dv of one key tile of one kv head, summed over its query-head group.
 
   q/do refs hold the G query heads of the group ([T, G, D]); lse2/delta/temp
   refs [G, T]. The group sum happens in registers, no repeated K/V.
 
-  The loop over query tiles is the outer one and the heads of the group the
-  inner one, so the float32 accumulators receive each query tile's terms of all
-  heads together, in the order a single head would: with the heads outside, the
-  small terms of a head's long early rows were added to a total already holding
-  the large terms of the previous heads' short late rows (a non-causal window),
-  and dk/dv lost precision in proportion to the group size (docs/DEFECTS.md, G1).
+  How the G heads' terms meet in the float32 accumulators decides the error
+  of the group sum (docs/DEFECTS.md, G1). With the heads in the outer loop, the
+  many small terms of a head's long rows were added to a total already holding
+  other heads' large terms, and dk/dv lost precision in proportion to G.
+  ``per_head_totals`` (float32 outputs) sums each head from zero, as one head
+  of MHA would, and adds the G totals: the group costs G roundings. Otherwise
+  the query tiles are the outer loop and the heads the inner one: each tile's
+  terms of all heads are added together, in the order of a single head, with
+  no second pair of accumulators (16-bit outputs, whose rounding hides the
+  rest, keep their registers).
   """
   k_start = pl.program_id(0) * block_kv
   k = k_ref[...]
@@ -136,32 +140,41 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
   tiles = q_tiles(spec, k_start, block_q, block_kv, padded,
                   _segment_span(span_ref, k_start, block_kv))
 
-  def body(q_block, carry, masked):
+  def add_head_tile(g, q_block, carry, masked):
+    """Adds head g's terms of query tile q_block to (dk, dv)."""
+    dk, dv = carry
     q_start = q_block * block_q
     rows = pl.ds(q_start, block_q)
+    q = q_ref[rows, g, :]
+    do = do_ref[rows, g, :]
+    lse2 = lse2_ref[g, rows]
+    delta = delta_ref[g, rows]
+    temp = None if temp_ref is None else temp_ref[g, rows]
+    mask = None
+    if masked:
+      mask = visible_mask(spec, positions(q_start, block_q), k_pos,
+                          _segment_tile(seg_ref, q_start, block_q), k_seg, padded=padded)
+    logits = tile_logits(spec, q, k, temp, mask, fast_cap)
+    p = probabilities(logits, lse2)
+    dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
+    dp = dot(do, v, trans_b=True)
+    ds = logits_grad(spec, p, dp, delta, logits, temp, fast_cap)
+    dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
+    return dk, dv
 
-    def head(g, carry):
-      dk, dv = carry
-      q = q_ref[rows, g, :]
-      do = do_ref[rows, g, :]
-      lse2 = lse2_ref[g, rows]
-      delta = delta_ref[g, rows]
-      temp = None if temp_ref is None else temp_ref[g, rows]
-      mask = None
-      if masked:
-        mask = visible_mask(spec, positions(q_start, block_q), k_pos,
-                            _segment_tile(seg_ref, q_start, block_q), k_seg, padded=padded)
-      logits = tile_logits(spec, q, k, temp, mask, fast_cap)
-      p = probabilities(logits, lse2)
-      dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
-      dp = dot(do, v, trans_b=True)
-      ds = logits_grad(spec, p, dp, delta, logits, temp, fast_cap)
-      dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
-      return dk, dv
+  zeros = (jnp.zeros(k.shape, jnp.float32),) * 2
+  if per_head_totals:
+    def head(g, total):
+      dk, dv = tile_loop(tiles, lambda q_block, carry, masked: add_head_tile(
+          g, q_block, carry, masked), zeros)
+      return total[0] + dk, total[1] + dv
 
-    return lax.fori_loop(0, spec.group_size, head, carry)
+    dk, dv = lax.fori_loop(0, spec.group_size, head, zeros)
+  else:
+    def tile(q_block, carry, masked):
+      return lax.fori_loop(0, spec.group_size, lambda g, carry: add_head_tile(
+          g, q_block, carry, masked), carry)
 
-  zeros = jnp.zeros(k.shape, jnp.float32)
-  dk, dv = tile_loop(tiles, body, (zeros, zeros))
+    dk, dv = tile_loop(tiles, tile, zeros)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
