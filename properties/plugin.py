@@ -10,7 +10,7 @@ until the suite's tests are collected: ``pytest --pyargs properties.suite
   --ua-report PATH            JSON report by feature group and property
   --ua-failures DIR           where case files go (default ua-failures)
   --ua-case-timeout SECONDS   a case running longer ends its worker, reported as a failure
-  --ua-minutes M              time box: no configuration starts after it
+  --ua-minutes M              time box: no case starts after it
   --ua-database DIR           Hypothesis example database (failures replay first)
   --ua-shared-database DIR    a read-only database combined with it
   --ua-compile-cache DIR      JAX's persistent compilation cache
@@ -51,7 +51,7 @@ def pytest_addoption(parser):
   group.addoption("--ua-case-timeout", type=float, default=None,
                   help="seconds after which a case counts as hung (ends its worker)")
   group.addoption("--ua-minutes", type=float, default=None,
-                  help="time box: no configuration starts after it (tests not started are skipped)")
+                  help="time box: no case starts after it (tests not started are skipped)")
   group.addoption("--ua-database", default=None,
                   help="Hypothesis example database directory (default .hypothesis/ua-examples)")
   group.addoption("--ua-shared-database", default=None,
@@ -195,10 +195,10 @@ class Suite:
     offset = 104729 * test.chunk
 
     def body(case):
-      if state.deadline is not None and time.time() > state.deadline:
-        return  # the time box is spent: the remaining examples run nothing
       worst = 0.0
       for i in range(seeds):
+        if state.deadline is not None and time.time() > state.deadline:
+          return  # the time box is spent: nothing more starts
         errors = verifier.check(prop, dataclasses.replace(
             case, seed=(case.seed + offset + 7919 * i) % 2 ** 31))
         worst = max([worst] + [e.ratio for e in errors if e.ratio != float("inf")])
@@ -270,6 +270,11 @@ def _crashed_cases(failures_dir: str, since: float) -> list[dict]:
 
 
 def build_report(records: list[dict], crashed: list[dict], seconds: float) -> dict:
+  """Per feature group and property: cases, failures, harness errors, worst
+  error/tolerance, seconds. A case run twice (Hypothesis replays a failing
+  example before it reports it) counts once, with its last outcome."""
+  records = list({(r["property"], r["case"]): r for r in records}.values())
+
   def table():
     return collections.defaultdict(lambda: {"cases": 0, "failures": 0, "harness_errors": 0,
                                             "worst_ratio": 0.0, "seconds": 0.0})

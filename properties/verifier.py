@@ -124,7 +124,8 @@ class Verifier:
     if self.record is None:
       return
     ratio = max((e.ratio for e in errors), default=0.0)
-    self.record({"property": prop.name, "oracle": prop.oracle, "groups": case.groups(),
+    self.record({"property": prop.name, "case": case.digest(), "oracle": prop.oracle,
+                 "groups": case.groups(),
                  "status": status, "ratio": ratio if np.isfinite(ratio) else None,
                  "seconds": round(time.perf_counter() - start, 3), "replay": replay,
                  "failed_outputs": sorted(e.name for e in errors if not e.ok)})
