@@ -4,17 +4,27 @@ FLOPs: 4*B*Hq*T^2*D for the forward over visible pairs (halved for causal,
 T*W-ish for windows: counted exactly from the mask), forward+backward 3.5x.
 Timing: median over --repeats rounds that time every implementation of a
 configuration in turn (time_interleaved), after warm-up; block_until_ready.
-Prints a table headed by date, GPU and versions, and writes it as JSON.
+Each peer runs at its best-known configuration (PEER_CONFIGS), ours at its
+tuned defaults (ua_kernels/tuned_configs.py). Prints a table headed by date,
+GPU, commit and versions, and writes it as JSON: provenance() fields, then
+"rows", each with its case, implementation and that implementation's "config".
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
+import importlib.metadata
+import importlib.util
 import json
+import pathlib
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -22,6 +32,59 @@ import jax.numpy as jnp
 import numpy as np
 
 import ua_kernels
+from properties.impls import PALLAS_MHA_TILES
+from ua_kernels.tuned_configs import default_config
+from ua_reference.contract import validate
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Each peer at its best-known configuration, written into its rows' "config".
+# JAX's Pallas-Triton mha at the tiles of properties/impls.py PALLAS_MHA_TILES
+# (block_q 128, block_k 64, every backward block 64; num_warps and num_stages
+# left to mha): on the H200 about 323 TFLOP/s forward+backward, against 146 at
+# mha's default block sizes (docs/BENCHMARKS.md, "Against the peers"). cuDNN
+# and XLA through jax.nn.dot_product_attention have no tiles to set; the jnp
+# peer is plain XLA; FlexAttention runs with torch.compile's default options.
+PEER_CONFIGS = {
+    "jax_pallas_triton": {"block_sizes": dict(PALLAS_MHA_TILES)},
+    "jax.nn.dpa[cudnn]": {"implementation": "cudnn", "tiles": None},
+    "jax.nn.dpa[xla]": {"implementation": "xla", "tiles": None},
+    "jnp_tanh_cap": {"implementation": "jnp einsum + softmax under XLA", "tiles": None},
+    "torch_flex": {"implementation": "torch.compile(flex_attention)", "kernel_options": None},
+}
+PEER_CONFIGS["jax_pallas_triton_nocap"] = PEER_CONFIGS["jax_pallas_triton"]
+PEER_CONFIGS["torch_flex_tanh"] = PEER_CONFIGS["torch_flex"]
+
+
+def _git_commit():
+  """HEAD of this repository; else the content of its .commit file; else "unknown"."""
+  try:
+    return subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "HEAD"], check=True,
+                          capture_output=True, text=True, timeout=10).stdout.strip()
+  except Exception:  # noqa: BLE001 -- no git, or no repository (a copied tree)
+    pass
+  try:
+    return (_ROOT / ".commit").read_text().strip() or "unknown"
+  except OSError:
+    return "unknown"
+
+
+def provenance(argv=None):
+  """The header of a result file (ua-bench, benchmarks/tune.py): commit, the
+  command line (sys.argv; ``argv`` in place of its arguments when main() was
+  called with them), versions, GPU and UTC date and time."""
+  versions = {"python": platform.python_version(), "jax": jax.__version__}
+  for name in ("jaxlib", "triton", "torch"):
+    if importlib.util.find_spec(name) is None:
+      continue
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = getattr(__import__(name), "__version__", "unknown")
+  args = sys.argv[1:] if argv is None else list(argv)
+  return {"commit": _git_commit(), "command": shlex.join([sys.argv[0], *args]),
+          "gpu": jax.devices()[0].device_kind, "versions": versions,
+          "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def visible_pairs(t, causal, window, doc_len=None):
@@ -76,8 +139,10 @@ def peers(causal, window, cap, doc_len, hq, hkv):
     # In a capped configuration this is JAX's kernel without the cap, the
     # reference for the cap's cost: timed round-robin beside ours, not in
     # another group, whose neighbours and clocks differ.
+    block_sizes = pallas_attention.BlockSizes(**PALLAS_MHA_TILES)
     out["jax_pallas_triton" + ("_nocap" if cap else "")] = lambda q, k, v: pallas_attention.mha(
-        q, k, v, segment_ids=None, causal=causal, sm_scale=q.shape[-1] ** -0.5)
+        q, k, v, segment_ids=None, causal=causal, sm_scale=q.shape[-1] ** -0.5,
+        block_sizes=block_sizes)
   if not cap and plain:
     for impl in ("cudnn", "xla"):
       out[f"jax.nn.dpa[{impl}]"] = functools.partial(
@@ -146,14 +211,7 @@ def main(argv=None):
   parser.add_argument("--no-peers", action="store_true")
   parser.add_argument("--json", default="bench.json")
   args = parser.parse_args(argv)
-  dev = jax.devices()[0]
-  header = {"date": datetime.date.today().isoformat(), "device": dev.device_kind,
-            "jax": jax.__version__, "python": platform.python_version()}
-  try:
-    import triton
-    header["triton"] = triton.__version__
-  except Exception:  # noqa: BLE001
-    pass
+  header = provenance(argv)
   rows = []
   for b, t, hq, hkv, d, causal, window, cap, doc in CONFIGS[args.set]:
     rng = np.random.default_rng(0)
@@ -165,6 +223,8 @@ def main(argv=None):
     kw = dict(causal=causal, window_len=window, segment_ids=seg,
               cap_method="tanh" if cap else "none", cap_params=(cap,) if cap else ())
     impls = {"ua_kernels": lambda q, k, v: ua_kernels.attention(q, k, v, **kw)}
+    configs = {"ua_kernels": dataclasses.asdict(default_config(validate(q, k, v, **kw)[0],
+                                                               q.dtype)), **PEER_CONFIGS}
     if not args.no_peers:
       impls.update(peers(causal, window, cap, doc, hq, hkv))
     label = f"B{b} T{t} H{hq}/{hkv} D{d}" + (" causal" if causal else "") + \
@@ -176,38 +236,41 @@ def main(argv=None):
     for name in impls:
       failed = [r for r in (fwd[name], bwd[name]) if isinstance(r, Exception)]
       if failed:
-        rows.append({"config": label, "impl": name,
+        rows.append({"case": label, "impl": name, "config": configs[name],
                      "error": f"{type(failed[0]).__name__}: {failed[0]}"[:200]})
         continue
-      rows.append({"config": label, "impl": name, "fwd_ms": fwd[name], "fwd_bwd_ms": bwd[name],
+      rows.append({"case": label, "impl": name, "config": configs[name],
+                   "fwd_ms": fwd[name], "fwd_bwd_ms": bwd[name],
                    "fwd_tflops": flops / fwd[name] / 1e9,
                    "fwd_bwd_tflops": 3.5 * flops / bwd[name] / 1e9,
                    "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2 ** 30})
     if not args.no_peers and not window and not doc and hq == hkv:
       flex = torch_flex(b, t, hq, d, causal, cap, args.repeats)
       if flex:
-        rows.append({"config": label, "impl": "torch_flex" + ("_tanh" if cap else ""),
+        name = "torch_flex" + ("_tanh" if cap else "")
+        rows.append({"case": label, "impl": name, "config": configs[name],
                      "fwd_ms": flex[0], "fwd_bwd_ms": flex[1], "fwd_tflops": flops / flex[0] / 1e9,
                      "fwd_bwd_tflops": 3.5 * flops / flex[1] / 1e9})
-  print(" ".join(f"{k}={v}" for k, v in header.items()))
+  print(f"date={header['measured'][:10]} device={header['gpu']} commit={header['commit']} "
+        + " ".join(f"{k}={v}" for k, v in header["versions"].items()))
   print(f"{'config':38} {'impl':20} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'f+b TF/s':>9} "
         f"{'peak GiB':>8}")
   for r in rows:
     if "error" in r:
-      print(f"{r['config']:38} {r['impl']:20} error: {r['error'][:60]}")
+      print(f"{r['case']:38} {r['impl']:20} error: {r['error'][:60]}")
     else:
-      print(f"{r['config']:38} {r['impl']:20} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
+      print(f"{r['case']:38} {r['impl']:20} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
             f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_tflops']:9.1f} {r.get('peak_gib_so_far', 0):8.1f}")
   print_target_ratios(rows)
   with open(args.json, "w") as f:
-    json.dump({"header": header, "rows": rows}, f, indent=1)
+    json.dump({**header, "rows": rows}, f, indent=1)
 
 
 def print_target_ratios(rows):
   """The issue's targets as ratios within this run, each against a peer timed in
   the same round-robin group: ours over JAX's Pallas-Triton kernel (for a tanh
   cap, its no-cap kernel) and over FlexAttention-tanh."""
-  by = {(r["config"], r["impl"]): r for r in rows if "error" not in r}
+  by = {(r["case"], r["impl"]): r for r in rows if "error" not in r}
   for (config, impl), r in sorted(by.items()):
     if impl != "ua_kernels":
       continue

@@ -4,7 +4,8 @@
 set -uo pipefail
 out=${1:?outdir}; suite_s=${2:-300}; bench=${3:-quick}
 export PYTHONUNBUFFERED=1 UA_FAILURE_DIR=$out/failures
-python3 -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'triton', triton.__version__, jax.devices())"
+# Provenance first (commit, versions, GPU, date), as ua-bench writes it into bench.json.
+python3 -c "import json; from benchmarks.bench import provenance; print(json.dumps(provenance()))"
 timeout 300 python3 -m benchmarks.gpu_smoke 2>&1 | tee $out/smoke.log
 if [ "$suite_s" -gt 0 ]; then
   UA_REPORT_DIR=$out timeout "$suite_s" python3 -m pytest tests/test_properties.py \

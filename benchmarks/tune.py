@@ -4,7 +4,8 @@ For each (head dim, masking, cap) it times the forward over forward tilings,
 then (unless --fwd-only) forward+backward over backward tilings with the best
 forward. Candidates of one sweep are timed round-robin (bench.time_interleaved),
 so their ranking survives clock drift. ua_kernels/tuned_configs.py records the
-winners.
+winners. The JSON holds bench.provenance()'s fields (commit, command, versions,
+GPU, date) and "rows", the best configuration per shape.
 """
 
 import argparse
@@ -17,7 +18,7 @@ import numpy as np
 
 import ua_kernels
 from ua_kernels import KernelConfig
-from benchmarks.bench import _fwd_bwd, time_interleaved
+from benchmarks.bench import _fwd_bwd, provenance, time_interleaved
 
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2),
        (64, 128, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3)]
@@ -50,6 +51,7 @@ def main():
   parser.add_argument("--head-dims", default="64,128,256")
   parser.add_argument("--fwd-only", action="store_true")
   args = parser.parse_args()
+  header = provenance()
   dims = {int(d) for d in args.head_dims.split(",")}
   results = []
   for d, causal, cap in [s for s in SHAPES if s[0] in dims]:
@@ -79,7 +81,7 @@ def main():
     results.append(row)
     print("BEST", row, flush=True)
   with open(args.json, "w") as f:
-    json.dump(results, f, indent=1)
+    json.dump({**header, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

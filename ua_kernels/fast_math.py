@@ -9,7 +9,7 @@ against a row sum of at least 1 (or, under a fixed shift, 2^-50; tile_math), so
 flushing them to zero changes nothing the tolerances see. On an H200 it made
 the no-cap forward 1.7% (full) and 3.1% (causal) faster, the tanh-capped one
 4.2% and 2.0%, forward+backward 3.5% and 3.2%, with outputs bit-identical
-(benchmarks/results/ftz-exp2-h200-2026-11-30-s4-call3.log). On the CPU the
+(docs/BENCHMARKS.md, "What moved the forward"). On the CPU the
 function is ``jnp.exp2``; XLA:CPU flushes subnormals too, so both give 0 below
 2^-126.
 

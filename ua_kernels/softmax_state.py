@@ -53,8 +53,8 @@ class SoftmaxState(NamedTuple):
     has_key = self.l > 0
     l_safe = jnp.where(has_key, self.l, 1.0)
     # A reciprocal per row, not a division per element: on the H200 the same
-    # time and the same bits (benchmarks/results/finalize-reciprocal-h200-
-    # 2026-11-30-s4-call6.log); the benchmark tables were measured with it.
+    # time and the same bits (docs/BENCHMARKS.md, "What moved the forward");
+    # the benchmark tables were measured with it.
     out = self.acc * (1.0 / l_safe)[:, None]
     lse2 = jnp.where(has_key, self.m + jnp.log2(l_safe), -jnp.inf)
     return out, lse2

@@ -1,17 +1,13 @@
 """Default KernelConfig per (head dim, dtype, masking, cap), from benchmarks/tune.py.
 
 16-bit tiles: measured on one H200 (jax 0.11.2, triton 3.6, bf16, B=4 (2 for
-D=256), T=4096, H=16). D=128 forward tiles: benchmarks/results/tune-fwd-h200-
-2026-11-30-s2-call4.log (candidates timed round-robin; no cap: 128x128 tiles, 8 warps,
-3 stages, full and causal; tanh cap: 64x64, 4 warps, 3 stages); windows keep the
-64x64 tiles they were measured with (docs/BENCHMARKS.md). Backward tiles and
-D=64/256: benchmarks/results/tune-h200-2026-11-30.json. float32 tiles hold twice
-the bytes, so for D > 64 float32 keeps the untuned tiles that fit the H200's
-227 KiB of shared memory per block and ran there
-(benchmarks/results/gpu-smoke-h200-2026-11-30-call1.log: D=256 at 64x32); the
-16-bit D=256 tiles asked for 288 KiB in float32 (...-call3.log), and a 4-warp,
-1-stage variant did not finish compiling within 100 s (...-call5.log). float32 is
-correctness-first here, not tuned. The CPU interpreter ignores warps and stages.
+D=256), T=4096, H=16), candidates timed round-robin. D=128 forward tiles: no cap
+128x128, 8 warps, 3 stages, full and causal; tanh cap 64x64, 4 warps, 3 stages;
+windows keep the 64x64 tiles they were measured with. float32 tiles hold twice
+the bytes, so for D > 64 float32 keeps untuned tiles that fit the H200's 227 KiB
+of shared memory per block and ran there (D=256 at 64x32); float32 is
+correctness-first here, not tuned. The sweeps and the float32 runs behind these
+choices: docs/BENCHMARKS.md, "Tiles". The CPU interpreter ignores warps and stages.
 """
 
 from __future__ import annotations
