@@ -234,7 +234,7 @@ def ua_suite(request):
 
 
 @pytest.fixture(scope="session")
-def impl(ua_suite):
+def ua_impl(ua_suite):
   """The implementation under test (properties.capabilities.Implementation)."""
   return ua_suite.impl
 

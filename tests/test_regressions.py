@@ -19,12 +19,12 @@ CASES = sorted((Path(__file__).parent / "regressions").glob("*.json"))
 
 
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
-def test_regression_case(path, impl, request):
+def test_regression_case(path, ua_impl, request):
   payload = load_case_file(path)
   if payload.get("scale") == "gpu" and jax.default_backend() != "gpu":
     pytest.skip("a GPU-scale case (T, heads): replayed where a GPU is present")
   case = payload["case"]
-  why = impl.supports(case)
+  why = ua_impl.supports(case)
   if why:
-    pytest.skip(f"{impl.name} {why}")
-  Verifier(impl, request.config.getoption("ua_failures")).check(get(payload["property"]), case)
+    pytest.skip(f"{ua_impl.name} {why}")
+  Verifier(ua_impl, request.config.getoption("ua_failures")).check(get(payload["property"]), case)
