@@ -12,7 +12,6 @@ import importlib
 import json
 import os
 import sys
-import tempfile
 import time
 
 DEFAULT_IMPL = "ua_kernels:attention"
@@ -44,6 +43,26 @@ def _worker_args(args) -> list[str]:
   return ["-n", str(args.workers), "--max-worker-restart", "1000"]
 
 
+class _CheckImpl:
+  """Loads --impl once in the controlling process, inside pytest (so that its
+  modules import after pytest's own set-up): a bad name is one clear usage
+  error, not a failure per worker."""
+
+  def __init__(self, impl: str):
+    self.impl = impl
+
+  def pytest_configure(self, config):
+    if hasattr(config, "workerinput"):
+      return
+    import pytest
+
+    from .capabilities import load_impl
+    try:
+      load_impl(self.impl)
+    except Exception as exc:  # noqa: BLE001 -- reported as the usage error it is
+      raise pytest.UsageError(f"--impl {self.impl}: {type(exc).__name__}: {exc}") from exc
+
+
 def verify_main(argv=None) -> int:
   """ua-verify: runs every property of the suite and prints a report by feature group."""
   parser = argparse.ArgumentParser(prog="ua-verify", description=verify_main.__doc__)
@@ -69,9 +88,6 @@ def verify_main(argv=None) -> int:
                       help="comma-separated modules that register cap methods")
   parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
   args = parser.parse_args(argv)
-  _imports(args.imports)
-  from .capabilities import load_impl
-  load_impl(args.impl)  # a clear error now, not one per worker
   import pytest
 
   gpu = args.profile == "gpu"
@@ -90,15 +106,16 @@ def verify_main(argv=None) -> int:
   if os.path.exists(args.report):
     os.remove(args.report)
   start = time.time()
-  code = pytest.main(pytest_args + args.pytest_args)
+  code = pytest.main(pytest_args + args.pytest_args, plugins=[_CheckImpl(args.impl)])
   report = {}
   if os.path.exists(args.report):
     with open(args.report) as f:
       report = json.load(f)
   problems = sum(r["failures"] + r["harness_errors"] for r in report.get("properties", {}).values())
   verdict = "PASS" if code == 0 and problems == 0 and report.get("cases") else "FAIL"
+  written = f"report written to {args.report}" if report else "no report (nothing ran)"
   print(f"\n{verdict}: {args.impl}, profile {args.profile}, {report.get('cases', 0)} cases "
-        f"in {time.time() - start:.0f} s; report written to {args.report}")
+        f"in {time.time() - start:.0f} s; {written}")
   return 0 if verdict == "PASS" else 1
 
 
