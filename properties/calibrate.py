@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from .capabilities import load_impl
 from .runner import baseline, evaluate
-from .strategies import BUCKETS, cases
+from .profiles import BUCKETS
+from .strategies import cases
 from .tolerance import ALPHA, FLOOR, OUTPUTS
 
 

@@ -53,9 +53,6 @@ class Implementation:
   cap_methods: frozenset | None = None   # None: every registered method
   cap_forms: Callable[[str], Any] | None = None
 
-  def __call__(self, *args, **kwargs):
-    return self.fn(*args, **kwargs)
-
   def supports(self, case: Case) -> str | None:
     """None if the case is within the declarations, else why not."""
     missing = case.features() & self.unsupported
@@ -138,6 +135,11 @@ def declare(name: str, fn: Callable) -> Implementation:
     if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
       raise CapabilityError(f"{name}.ua_cap_methods must be a collection of cap method "
                             f"names, got {methods!r}")
+    from ua_reference.caps import CAP_METHODS
+    unknown = sorted(set(methods) - set(CAP_METHODS))
+    if unknown:
+      raise CapabilityError(f"{name}.ua_cap_methods names unregistered cap methods {unknown}; "
+                            f"registered: {sorted(CAP_METHODS)}")
     kwargs["cap_methods"] = frozenset(methods)
   for attr in ("ua_config", "ua_cap_forms"):
     if hasattr(fn, attr):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -72,8 +73,14 @@ class Case:
     return groups
 
   def static_key(self) -> tuple:
-    """Everything but the seed: cases with equal keys share compiled callables."""
-    return dataclasses.astuple(dataclasses.replace(self, seed=0))
+    """What a compile depends on: not the seed, nor the choices that only change
+    input values (the value distribution, how segment ids and full-size
+    temperatures are drawn). Cases with equal keys share compiled callables."""
+    full_size = self.temperature in ("ones", "uniform", "signed", "extreme")
+    return dataclasses.astuple(dataclasses.replace(
+        self, seed=0, distribution="normal",
+        segments="packed" if self.segments != "none" else "none",
+        temperature="uniform" if full_size else self.temperature))
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -97,6 +104,7 @@ class Case:
     return hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
 
+@functools.lru_cache(maxsize=1)
 def versions() -> dict[str, str]:
   import hypothesis
   import jax
@@ -115,7 +123,7 @@ def write_case_file(path, case: Case, prop: str, impl: str, *, status: str,
   case runs, so that a crash leaves it behind), failed, harness (the oracle or
   reference raised), crashed or timeout."""
   payload = {"property": prop, "impl": impl, "case": case.to_dict(), "status": status,
-             "versions": versions(), "errors": list(errors), "message": message,
+             "versions": dict(versions()), "errors": list(errors), "message": message,
              "imports": list(imports), "replay": replay,
              "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "pid": os.getpid()}
   tmp = f"{path}.{os.getpid()}.tmp"

@@ -12,7 +12,7 @@ import numpy as np
 from .capabilities import Implementation
 from .case import Case
 from .inputs import logit_scale, make_inputs
-from .runner import baseline, evaluate, evaluate_forward, score
+from .runner import baseline, evaluate, evaluate_forward, score, x64
 from .tolerance import OutputError, compare, error_table
 
 
@@ -45,6 +45,13 @@ def matches_oracle(impl, case: Case):
   for e in plain:
     e.name = f"{e.name} (plain call)"
   return _require(errors + plain, "implementation differs from the float64 oracle")
+
+
+def matches_oracle_under_x64(impl, case: Case):
+  """The same equivalence with jax_enable_x64 on (16/32-bit inputs): an
+  implementation must not change what it computes when a caller enables x64."""
+  with x64(True):
+    return matches_oracle(impl, case)
 
 
 # --------------------------------------------------------------------------- #

@@ -8,22 +8,14 @@ installed plugin (properties/plugin.py).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 import time
 
-DEFAULT_IMPL = "ua_kernels:attention"
+from .loading import DEFAULT_IMPL, import_modules
+
 PROFILE_NAMES = ("ci", "dev", "fuzz", "gpu")
-
-
-def _imports(names: str) -> tuple[str, ...]:
-  """--import: modules that register cap methods, imported here."""
-  modules = tuple(n.strip() for n in (names or "").split(",") if n.strip())
-  for name in modules:
-    importlib.import_module(name)
-  return modules
 
 
 def _worker_args(args) -> list[str]:
@@ -101,7 +93,7 @@ def verify_main(argv=None) -> int:
                       ("--ua-case-timeout", timeout), ("--ua-database", args.database),
                       ("--ua-shared-database", args.shared_database),
                       ("--ua-compile-cache", cache)):
-    if value:
+    if value is not None and value != "":
       pytest_args.append(f"{flag}={value}")
   if os.path.exists(args.report):
     os.remove(args.report)
@@ -130,7 +122,7 @@ def repro_main(argv=None) -> int:
   args = parser.parse_args(argv)
   from .case import load_case_file, versions
   payload = load_case_file(args.case_file)
-  _imports(",".join([args.imports] + list(payload.get("imports", ()))))
+  import_modules(",".join([args.imports] + list(payload.get("imports", ()))))
   from .capabilities import load_impl
   from .checks import PropertyFailure
   from .registry import get
@@ -187,7 +179,7 @@ def fuzz_main(argv=None) -> int:
   parser.add_argument("--import", dest="imports", default="",
                       help="comma-separated modules that register cap methods")
   args = parser.parse_args(argv)
-  imports = _imports(args.imports)
+  imports = import_modules(args.imports)
   from hypothesis import HealthCheck, Phase, given, settings
   from hypothesis import strategies as st
   from hypothesis.database import DirectoryBasedExampleDatabase
@@ -213,10 +205,12 @@ def fuzz_main(argv=None) -> int:
     return 1
   print("cap method consistent with its declarations", flush=True)
 
-  # Properties that a case capped with this method can exercise: those needing
-  # no feature but the cap, and not replacing the cap with another method.
-  usable = [p for p in PROPERTIES if not (set(p.require) - {"cap"}) and not
-            (p.any_of and p.any_of <= impl.unsupported) and p.uses_cap_method is None]
+  # Properties that a case capped with this method can exercise: those the
+  # implementation can run, needing no feature but the cap and not replacing
+  # the cap with another method.
+  usable = [p for p in PROPERTIES if p.unsupported_by(impl) is None
+            and not set(p.require) - {"cap"} and "cap" not in p.forbid
+            and p.uses_cap_method is None]
   buckets = PROFILES[args.profile].buckets
   verifier = Verifier(impl, args.out, imports)
   deadline = time.time() + 60 * args.minutes

@@ -1,9 +1,10 @@
 """The suite as a pytest plugin (entry point ``pytest11``; docs/PLUGINS.md).
 
 Installing unified-attention registers it in every pytest session of that
-environment; it only adds options and fixtures, and imports nothing heavy,
-until the suite's tests are collected: ``pytest --pyargs properties.suite
---impl mypkg.mod:fn``. Options:
+environment. There it adds options, fixtures and the ``ua-*`` Hypothesis
+profiles (when Hypothesis is installed) and imports nothing else — no jax, no
+suite — until the suite's tests are collected: ``pytest --pyargs
+properties.suite --impl mypkg.mod:fn``. Options:
 
   --impl MODULE:FUNCTION      implementation under test (default ua_kernels:attention)
   --ua-import MODULES         comma-separated modules that register cap methods
@@ -25,19 +26,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import glob
-import importlib
 import json
 import os
 import time
 
 import pytest
 
-from . import profiles
+from .loading import DEFAULT_IMPL, import_modules
 
-profiles.register()
-
-DEFAULT_IMPL = "ua_kernels:attention"
 _RECORD = "ua_case"
+_TEST = "test_property"  # the suite's test function (properties/suite.py)
 
 
 def pytest_addoption(parser):
@@ -60,13 +58,15 @@ def pytest_addoption(parser):
                   help="directory of JAX's persistent compilation cache")
 
 
-def imported_modules(config) -> tuple[str, ...]:
-  return tuple(m.strip() for m in config.getoption("ua_import").split(",") if m.strip())
-
-
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-  for module in imported_modules(config):
-    importlib.import_module(module)
+  try:  # before Hypothesis's plugin loads the --hypothesis-profile it was given
+    from . import profiles
+  except ImportError:  # no Hypothesis here: the suite cannot run, other tests can
+    pass
+  else:
+    profiles.register()
+  import_modules(config.getoption("ua_import"))
   cache = config.getoption("ua_compile_cache")
   if cache:
     import jax
@@ -82,6 +82,7 @@ def pytest_configure(config):
   _SESSION = config.stash[_STATE] = _State(deadline=deadline, started=time.time())
 
 
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
   """pytest-xdist: every worker keeps the controller's time box."""
@@ -93,6 +94,7 @@ class _State:
   deadline: float | None
   started: float
   records: list = dataclasses.field(default_factory=list)
+  suite_ran: bool = False  # a test of the suite reported in this session
 
 
 _STATE = pytest.StashKey[_State]()
@@ -115,7 +117,7 @@ class PropertyTest:
     return "-".join(parts + ([f"c{self.chunk:02d}"] if self.chunks > 1 else []))
 
 
-def property_tests(profile) -> list[PropertyTest]:
+def property_tests(profile) -> list["PropertyTest"]:
   from .capabilities import DTYPES
   from .registry import PROPERTIES
   tests = []
@@ -131,6 +133,7 @@ def property_tests(profile) -> list[PropertyTest]:
 
 def pytest_generate_tests(metafunc):
   if "ua_property_test" in metafunc.fixturenames:
+    from . import profiles
     tests = property_tests(profiles.active())
     metafunc.parametrize("ua_property_test", tests, ids=[t.id for t in tests])
 
@@ -140,10 +143,11 @@ class Suite:
   the profile, the verifier and the Hypothesis settings."""
 
   def __init__(self, config):
+    from . import profiles
     self.config = config
     self.profile = profiles.active()
     self.impl_name = config.getoption("impl")
-    self.imports = imported_modules(config)
+    self.imports = import_modules(config.getoption("ua_import"), load=False)
     self._impl = None
 
   @property
@@ -153,16 +157,21 @@ class Suite:
       self._impl = load_impl(self.impl_name)
     return self._impl
 
-  def database(self):
+  def database(self, test: "PropertyTest"):
+    """The example database of one test: a directory of its own under
+    --ua-database (Hypothesis keys a database by the test function's source,
+    which all the suite's tests share), combined with the same directory of a
+    read-only --ua-shared-database."""
     from hypothesis.database import (DirectoryBasedExampleDatabase, MultiplexedDatabase,
                                      ReadOnlyDatabase)
     if self.profile.hypothesis.get("database", True) is None:
       return None
-    local = DirectoryBasedExampleDatabase(
-        self.config.getoption("ua_database") or os.path.join(".hypothesis", "ua-examples"))
+    root = self.config.getoption("ua_database") or os.path.join(".hypothesis", "ua-examples")
+    local = DirectoryBasedExampleDatabase(os.path.join(root, test.id))
     shared = self.config.getoption("ua_shared_database")
     if shared:
-      return MultiplexedDatabase(local, ReadOnlyDatabase(DirectoryBasedExampleDatabase(shared)))
+      return MultiplexedDatabase(local, ReadOnlyDatabase(
+          DirectoryBasedExampleDatabase(os.path.join(shared, test.id))))
     return local
 
   def run(self, test: PropertyTest, node) -> None:
@@ -179,7 +188,7 @@ class Suite:
     if state.deadline is not None and time.time() > state.deadline:
       pytest.skip("the campaign's time box (--ua-minutes) is spent")
     prop, impl = get(test.property), self.impl
-    why = _unsupported(prop, impl, test.dtype)
+    why = prop.unsupported_by(impl, test.dtype)
     if why:
       pytest.skip(why)
     buckets = self.profile.buckets
@@ -194,38 +203,27 @@ class Suite:
     # chunk gives that one (and every other) different inputs in each chunk.
     offset = 104729 * test.chunk
 
+    started = set()  # configurations begun: Hypothesis replays a failing one to report it
+
     def body(case):
       worst = 0.0
       for i in range(seeds):
-        if state.deadline is not None and time.time() > state.deadline:
-          return  # the time box is spent: nothing more starts
-        errors = verifier.check(prop, dataclasses.replace(
-            case, seed=(case.seed + offset + 7919 * i) % 2 ** 31))
+        seeded = dataclasses.replace(case, seed=(case.seed + offset + 7919 * i) % 2 ** 31)
+        if (seeded not in started and state.deadline is not None
+            and time.time() > state.deadline):
+          return  # the time box is spent: no new case starts
+        started.add(seeded)
+        errors = verifier.check(prop, seeded)
         worst = max([worst] + [e.ratio for e in errors if e.ratio != float("inf")])
       hypothesis.target(worst, label="error/tolerance")
 
-    body.__name__ = body.__qualname__ = test.id.replace("-", "_")  # its own database key
     run = given(case=strategy)(body)
-    run = settings(settings.get_profile(self.profile.hypothesis_name), database=self.database(),
+    run = settings(settings.get_profile(self.profile.hypothesis_name),
+                   database=self.database(test),
                    max_examples=self.profile.examples(prop.examples, prop.oracle))(run)
     if test.chunks > 1:
       run = hypothesis.seed(test.chunk)(run)
     run()
-
-
-def _unsupported(prop, impl, dtype) -> str | None:
-  from ua_reference.caps import CAP_METHODS
-  missing = set(prop.require) & impl.unsupported
-  if missing:
-    return f"{impl.name} declares {sorted(missing)} unsupported"
-  if prop.any_of and prop.any_of <= (impl.unsupported | prop.forbid):
-    return f"{impl.name} supports none of {sorted(prop.any_of)}"
-  if dtype is not None and dtype not in impl.dtypes:
-    return f"{impl.name} declares dtypes {impl.dtypes}"
-  if prop.uses_cap_method and not (prop.uses_cap_method in CAP_METHODS
-                                   and impl.supports_cap(prop.uses_cap_method)):
-    return f"needs cap method {prop.uses_cap_method!r}, unregistered or unsupported"
-  return None
 
 
 @pytest.fixture(scope="session")
@@ -243,13 +241,26 @@ def ua_impl(ua_suite):
 # The report, from the test reports.
 
 def pytest_runtest_logreport(report):
+  if _SESSION is None:
+    return
+  if f"::{_TEST}[" in report.nodeid:
+    _SESSION.suite_ran = True
   records = [value for name, value in report.user_properties if name == _RECORD]
-  if records and report.when == "call" and _SESSION is not None:
+  if records and report.when == "call":
     _SESSION.records.extend(records)
 
 
+def _alive(pid) -> bool:
+  try:
+    os.kill(int(pid), 0)
+  except (OSError, TypeError, ValueError):
+    return False
+  return True
+
+
 def _crashed_cases(failures_dir: str, since: float) -> list[dict]:
-  """Case files left ``running`` or ``timeout`` by this session: their worker died."""
+  """Case files that this session's dead workers left ``running`` or ``timeout``
+  (written since it started, by a process no longer alive)."""
   out = []
   for path in sorted(glob.glob(os.path.join(failures_dir, "*.json"))):
     try:
@@ -258,6 +269,8 @@ def _crashed_cases(failures_dir: str, since: float) -> list[dict]:
       with open(path) as f:
         payload = json.load(f)
     except (OSError, ValueError):
+      continue
+    if not isinstance(payload, dict) or "property" not in payload or _alive(payload.get("pid")):
       continue
     if payload.get("status") in ("running", "timeout"):
       if payload["status"] == "running":
@@ -316,10 +329,13 @@ def pytest_sessionfinish(session):
   if hasattr(config, "workerinput") or _STATE not in config.stash:
     return
   state = config.stash[_STATE]
+  if not state.suite_ran:
+    return
   crashed = _crashed_cases(config.getoption("ua_failures"), state.started)
   if not state.records and not crashed:
     return
   report = build_report(state.records, crashed, time.time() - state.started)
+  from . import profiles
   report.update(impl=config.getoption("impl"), profile=profiles.active().name,
                 exit_status=int(session.exitstatus))
   config.stash[_REPORT] = report

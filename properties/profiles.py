@@ -15,7 +15,51 @@ import dataclasses
 
 from hypothesis import HealthCheck, Phase, settings
 
-from .strategies import BUCKETS, Buckets
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+  """The shapes and tiles one profile draws from."""
+
+  seq_lens: tuple[int, ...]               # drawn besides the tile edges
+  head_dims: tuple[int, ...]              # repeats weight the draw
+  heads: tuple[tuple[int, int], ...]      # (Hq, Hkv)
+  batches: tuple[int, ...]
+  # (block_q, block_kv) pairs for an implementation that takes a config; None
+  # stands for its own default tiles (ua_block_sizes).
+  tiles: tuple[tuple[int, int] | None, ...]
+  edge_multiples: tuple[int, ...] = (1, 2, 3)
+  max_seq_len: int = 1 << 14
+  dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+  long_seq: int = 1 << 30                 # from this T on: B=1, at most 2 kv heads
+
+
+_SMALL_TILES = ((16, 16), (32, 16), (16, 32))
+BUCKETS = {
+    # Primes, block multiples and +-1 around them; MHA, GQA 2/4/8 and MQA. The
+    # default tiles (None) are drawn one time in eight, at their own edges.
+    "ci": Buckets(seq_lens=(1, 2, 7, 16, 17, 31, 33, 48, 64, 97),
+                  head_dims=(16, 24, 32, 40, 64),
+                  heads=((1, 1), (2, 2), (2, 1), (4, 2), (4, 1), (8, 1), (8, 4)),
+                  batches=(1, 2), tiles=_SMALL_TILES * 2 + (None, (16, 16)),
+                  max_seq_len=400, long_seq=129),
+    "dev": Buckets(seq_lens=(1, 3, 16, 31, 33, 64, 65, 127, 128, 129, 211, 256),
+                   head_dims=(16, 24, 32, 48, 64, 80, 128),
+                   heads=((1, 1), (3, 3), (2, 1), (4, 2), (4, 1), (8, 2), (8, 1)),
+                   batches=(1, 2, 3), tiles=_SMALL_TILES + ((64, 64), None),
+                   edge_multiples=(1, 2, 3, 4), max_seq_len=600, long_seq=300),
+    # The compiled kernels' own tiles, T up to 16k; GQA up to 8 with long T
+    # (a short non-causal window then gives rows of every length at once).
+    # Realistic values first: no shrinking here, and each campaign test starts
+    # from the first value of every choice.
+    # Lengths of 4097 and more make about one case in eight: they cost seconds
+    # each, against tenths for the rest.
+    "gpu": Buckets(seq_lens=(1000, 1, 17, 128, 255, 513, 1024, 2047, 2048, 4097, 8191, 16384),
+                   head_dims=(128, 16, 64, 64, 80, 128, 192, 256),
+                   heads=((8, 2), (1, 1), (4, 4), (4, 1), (8, 1), (16, 4), (16, 2)),
+                   batches=(1, 2), tiles=(None,), edge_multiples=(1, 2, 3, 8), long_seq=4097),
+}
+BUCKETS["fuzz"] = BUCKETS["dev"]
+
+
 
 PREFIX = "ua-"
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]

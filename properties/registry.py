@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from ua_reference.caps import CAP_METHODS
+
 from . import checks
 from .case import Case
 
@@ -37,9 +39,20 @@ class Property:
   oracle: bool = False  # compares with the float64 oracle (counts as an oracle case)
   uses_cap_method: str | None = None  # a cap method the check itself calls with
 
-  @property
-  def doc(self) -> str:
-    return (self.check.__doc__ or "").strip().splitlines()[0]
+  def unsupported_by(self, impl, dtype: str | None = None) -> str | None:
+    """Why ``impl`` (with its declarations) cannot run this property, or None.
+    The one place that decides; the strategies then draw within what remains."""
+    missing = set(self.require) & impl.unsupported
+    if missing:
+      return f"{impl.name} declares {sorted(missing)} unsupported"
+    if self.any_of and self.any_of <= (impl.unsupported | self.forbid):
+      return f"{impl.name} supports none of {sorted(self.any_of)}"
+    if dtype is not None and dtype not in impl.dtypes:
+      return f"{impl.name} declares dtypes {impl.dtypes}"
+    if self.uses_cap_method and not (self.uses_cap_method in CAP_METHODS
+                                     and impl.supports_cap(self.uses_cap_method)):
+      return f"needs cap method {self.uses_cap_method!r}, unregistered or unsupported"
+    return None
 
 
 def _longer_than_one(case: Case) -> bool:
@@ -52,6 +65,7 @@ def _hides_a_key(case: Case) -> bool:
 
 PROPERTIES = (
     Property("matches_oracle", checks.matches_oracle, 15, per_dtype=True, oracle=True),
+    Property("matches_oracle_under_x64", checks.matches_oracle_under_x64, 6, oracle=True),
     Property("key_permutation_invariance", checks.key_permutation_invariance, 4,
              forbid=frozenset({"causal", "window", "segment_ids"}), applies=_longer_than_one),
     Property("packed_equals_separate", checks.packed_equals_separate, 4,

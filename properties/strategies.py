@@ -20,55 +20,13 @@ from ua_reference.caps import CAP_METHODS
 from .capabilities import Implementation
 from .case import Case
 from .inputs import logit_scale
+from .profiles import Buckets
 
 
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-  """The shapes and tiles one profile draws from."""
-
-  seq_lens: tuple[int, ...]               # drawn besides the tile edges
-  head_dims: tuple[int, ...]              # repeats weight the draw
-  heads: tuple[tuple[int, int], ...]      # (Hq, Hkv)
-  batches: tuple[int, ...]
-  # (block_q, block_kv) pairs for an implementation that takes a config; None
-  # stands for its own default tiles (ua_block_sizes).
-  tiles: tuple[tuple[int, int] | None, ...]
-  edge_multiples: tuple[int, ...] = (1, 2, 3)
-  max_seq_len: int = 1 << 14
-  dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
-  long_seq: int = 1 << 30                 # from this T on: B=1, at most 2 kv heads
-
-
-_SMALL_TILES = ((16, 16), (32, 16), (16, 32))
-BUCKETS = {
-    # Primes, block multiples and +-1 around them; MHA, GQA 2/4/8 and MQA. The
-    # default tiles (None) are drawn one time in eight, at their own edges.
-    "ci": Buckets(seq_lens=(1, 2, 7, 16, 17, 31, 33, 48, 64, 97),
-                  head_dims=(16, 24, 32, 40, 64),
-                  heads=((1, 1), (2, 2), (2, 1), (4, 2), (4, 1), (8, 1), (8, 4)),
-                  batches=(1, 2), tiles=_SMALL_TILES * 2 + (None, (16, 16)),
-                  max_seq_len=400, long_seq=129),
-    "dev": Buckets(seq_lens=(1, 3, 16, 31, 33, 64, 65, 127, 128, 129, 211, 256),
-                   head_dims=(16, 24, 32, 48, 64, 80, 128),
-                   heads=((1, 1), (3, 3), (2, 1), (4, 2), (4, 1), (8, 2), (8, 1)),
-                   batches=(1, 2, 3), tiles=_SMALL_TILES + ((64, 64), None),
-                   edge_multiples=(1, 2, 3, 4), max_seq_len=600, long_seq=300),
-    # The compiled kernels' own tiles, T up to 16k; GQA up to 8 with long T
-    # (a short non-causal window then gives rows of every length at once).
-    # Realistic values first: no shrinking here, and each campaign test starts
-    # from the first value of every choice.
-    # Lengths of 4097 and more make about one case in eight: they cost seconds
-    # each, against tenths for the rest.
-    "gpu": Buckets(seq_lens=(1000, 1, 17, 128, 255, 513, 1024, 2047, 2048, 4097, 8191, 16384),
-                   head_dims=(128, 16, 64, 64, 80, 128, 192, 256),
-                   heads=((8, 2), (1, 1), (4, 4), (4, 1), (8, 1), (16, 4), (16, 2)),
-                   batches=(1, 2), tiles=(None,), edge_multiples=(1, 2, 3, 8), long_seq=4097),
-}
-BUCKETS["fuzz"] = BUCKETS["dev"]
-
-
-def _pick(draw, values, label=None):
-  return draw(st.sampled_from(values), label=label) if len(values) > 1 else values[0]
+def _pick(draw, values, what: str):
+  if not values:
+    raise ValueError(f"the profile's buckets leave no {what} to draw")
+  return draw(st.sampled_from(values)) if len(values) > 1 else values[0]
 
 
 def _seq_len(draw, buckets: Buckets, tiles: tuple[int, ...]) -> int:
@@ -105,7 +63,7 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
   choosable = sorted(f for f in any_of if allowed(f))
   if any_of and not choosable:
     raise ValueError(f"{impl.name} supports none of {sorted(any_of)}")
-  forced = set(require) | ({_pick(draw, choosable)} if choosable else set())
+  forced = set(require) | ({_pick(draw, choosable, 'feature')} if choosable else set())
 
   def flag(feature):
     if feature in forced:
@@ -118,7 +76,7 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
     raise ValueError(f"{impl.name} supports none of the profile's "
                      f"{'dtypes' if not dtypes else 'head dims'}")
   tile_choices = buckets.tiles if impl.config is not None else (None,)
-  pair = _pick(draw, tile_choices)
+  pair = _pick(draw, tile_choices, 'tiles')
   tiles = impl.block_sizes if pair is None else tuple(sorted(set(pair)))
 
   t = _seq_len(draw, buckets, tiles)
@@ -128,10 +86,10 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
     head_pairs = [p for p in head_pairs if p[0] != p[1]]
   elif not allowed("gqa"):
     head_pairs = [p for p in head_pairs if p[0] == p[1]]
-  hq, hkv = _pick(draw, head_pairs)
-  batch = 1 if long else _pick(draw, buckets.batches)
-  d = _pick(draw, dims)
-  dtype = _pick(draw, dtypes)
+  hq, hkv = _pick(draw, head_pairs, 'head counts')
+  batch = 1 if long else _pick(draw, buckets.batches, 'batch size')
+  d = _pick(draw, dims, 'head dim')
+  dtype = _pick(draw, dtypes, 'dtype')
 
   causal = flag("causal")
   window = _window(draw, t, tiles) if flag("window") else 0

@@ -13,6 +13,7 @@ and reported as such, never as a failure of the implementation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -42,6 +43,13 @@ class CaseFailure(AssertionError):
 
 class HarnessFailure(CaseFailure):
   """The oracle or the reference could not evaluate a case (not the implementation)."""
+
+
+def _remove(path: str) -> None:
+  """Removes a passed case's file; another worker running the same case (a
+  regression case the strategies also drew) may have removed it first."""
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(path)
 
 
 def replay_command(path: str, impl_name: str, imports=()) -> str:
@@ -94,11 +102,13 @@ class Verifier:
         path, case, prop.name, self.impl.name, status=status, errors=errors,
         message=message, imports=self.imports, replay=replay)
     write("running")
-    watchdog = _Watchdog(self.case_timeout, lambda: write(
-        "timeout", message=f"the case ran past its timeout of {self.case_timeout} s"))
     start = time.perf_counter()
+    watchdog = _Watchdog(None, None)
     try:
-      baseline(case)
+      baseline(case)  # the harness's part, before the implementation's clock starts
+      watchdog = _Watchdog(self.case_timeout, lambda: write(
+          "timeout", message=f"the implementation ran past the case timeout of "
+                             f"{self.case_timeout} s"))
       errors = prop.check(self.impl, case)
       if not errors:
         raise AssertionError(f"{prop.name} compared nothing on this case")
@@ -114,9 +124,12 @@ class Verifier:
       raise CaseFailure(f"{prop.name} failed for {self.impl.name} on {case}\n"
                         f"{type(exc).__name__}: {exc}\nreplay: {replay}", case, errors,
                         replay) from exc
+    except KeyboardInterrupt:
+      _remove(path)  # stopped by the user: neither a failure nor a crash
+      raise
     finally:
       watchdog.cancel()
-    os.remove(path)
+    _remove(path)
     self._record(prop, case, "passed", errors, start, "")
     return errors
 

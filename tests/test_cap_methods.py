@@ -18,7 +18,7 @@ from ua_kernels import cap_forms
 from ua_reference.caps import CAP_METHODS
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(cap_points(CAP_METHODS), st.floats(1e-3, 1e3))
 def test_registered_methods_meet_their_declarations(point, a):
   name, params, xs = point

@@ -32,3 +32,15 @@ def test_spec_and_suite_import_no_kernels_and_no_pallas():
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "LOADED []" in proc.stdout, proc.stdout
+
+
+def test_the_plugin_loads_nothing_heavy():
+  """The pytest11 entry point loads properties.plugin into every pytest session
+  of the environment: it must not pull in jax, numpy, Hypothesis or the suite."""
+  proc = subprocess.run([sys.executable, "-c", (
+      "import sys, properties.plugin\n"
+      "print('LOADED', sorted(m for m in ('jax', 'numpy', 'hypothesis', 'ua_reference',"
+      " 'properties.strategies') if m in sys.modules))")],
+      capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "LOADED []" in proc.stdout, proc.stdout

@@ -84,3 +84,20 @@ def test_an_oracle_error_is_a_harness_error(tmp_path, monkeypatch):
   [path] = tmp_path.glob("*.json")
   assert load_case_file(path)["status"] == "harness"
   assert records[0]["status"] == "harness"
+
+
+def test_the_report_counts_a_replayed_case_once():
+  """Hypothesis replays a failing example before it reports it: the report
+  counts that case once, with its last outcome, in every group it belongs to."""
+  from properties.plugin import build_report
+  record = lambda case, status, ratio: {
+      "property": "matches_oracle", "case": case, "oracle": True,
+      "groups": ["causal", "dtype:float32"], "status": status, "ratio": ratio,
+      "seconds": 1.0, "replay": f"ua-repro {case}.json" if status != "passed" else "",
+      "failed_outputs": ["dk"] if status != "passed" else []}
+  report = build_report([record("a", "passed", 0.2), record("b", "failed", 2.7),
+                         record("b", "failed", 2.7)], [], 60.0)
+  assert report["cases"] == report["oracle_cases"] == 2
+  assert report["feature_groups"]["causal"] == {"cases": 2, "failures": 1, "harness_errors": 0,
+                                                "worst_ratio": 2.7, "seconds": 2.0}
+  assert len(report["failures"]) == 1 and report["oracle_cases_per_minute"] == 2.0
