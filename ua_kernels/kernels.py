@@ -18,8 +18,8 @@ from jax.experimental import pallas as pl
 from ua_reference.contract import StaticSpec
 
 from .softmax_state import SoftmaxState
-from .tile_math import (dot, fixed_shift, kv_tiles, logits_grad, positions, probabilities,
-                        q_tiles, tile_logits, tile_loop, visible_mask)
+from .tile_math import (dot, fixed_shift, kv_tiles, logits_grad, matmul_operand, positions,
+                        probabilities, q_tiles, tile_logits, tile_loop, visible_mask)
 
 
 def _segment_tile(seg_ref, start, size):
@@ -105,7 +105,9 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref
     p = probabilities(logits, lse2)
     dp = dot(do, _value_tile(v_ref, kv_block, block_kv), trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)
-    return dq + dot(ds.astype(k.dtype), k)
+    ds16, back = matmul_operand(ds, k.dtype, axis=1)
+    term = dot(ds16, k)
+    return dq + (term if back is None else term * back[:, None])
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
                    _segment_span(span_ref, qt.start, block_q))
@@ -159,7 +161,9 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
     dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
     dp = dot(do, v, trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, temp, fast_cap)
-    dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
+    ds16, back = matmul_operand(ds, q.dtype, axis=0)
+    term = dot(ds16, q, trans_a=True)
+    dk = dk + (term if back is None else term * back[:, None])
     return dk, dv
 
   zeros = (jnp.zeros(k.shape, jnp.float32),) * 2

@@ -180,6 +180,34 @@ def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: 
   return ds * spec.sm_scale
 
 
+# float16's largest finite value is 65504 = 2^16 - 2^5; ds tiles are kept below 2^15.
+_FLOAT16_SAFE = 2.0 ** 15
+
+
+def matmul_operand(ds, dtype, axis: int):
+  """(ds in the matmul dtype ``dtype``, the per-slice factor of the product or None).
+
+  The gradient tiles ds = p * (dp - delta) * temperature * sm_scale feed the
+  16-bit tensor cores. bfloat16 has float32's range; float16 ends at 65504,
+  and ds passes it where w * lse or the temperature is large (z-loss 1 on rows
+  with lse near 10^4, temperature near 50: |ds| up to 7.6e4), so the cast gave
+  inf where the gradient is finite (docs/DEFECTS.md, F16). For float16 each
+  slice along ``axis`` (a query row for dq: axis 1; a key column for dk: axis
+  0) whose largest |ds| passes 2^15 is scaled by a power of two, exactly, and
+  the caller scales that row of the product back. Selects, not log2: a handful
+  of per-slice operations."""
+  if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
+    return ds.astype(dtype), None
+  big = jnp.max(jnp.abs(ds), axis=axis)
+  scale = jnp.ones_like(big)
+  # The smallest power-of-two scale-down that brings big to 2^15: each step
+  # halves the bound on big * scale's excess (float32 ds is below 2^128).
+  for k in (64, 32, 16, 8, 4, 2, 1, 0):
+    scale = jnp.where(big * scale > _FLOAT16_SAFE * 2.0 ** k, scale * 2.0 ** -max(k, 1), scale)
+  scaled = ds * (scale[:, None] if axis == 1 else scale[None, :])
+  return scaled.astype(dtype), 1.0 / scale
+
+
 def _div(a, b: int):
   # An int32 divisor: under jax_enable_x64 a Python int would become int64.
   return lax.div(a, jnp.int32(b))
