@@ -85,7 +85,10 @@ def verify_main(argv=None) -> int:
   gpu = args.profile == "gpu"
   timeout = args.case_timeout if args.case_timeout is not None else (900.0 if gpu else None)
   cache = args.compile_cache or (".ua-jax-cache" if gpu else None)
+  # ua-verify runs inside the package whose plugin pytest then loads: pytest's
+  # note that it cannot rewrite the already imported package's asserts is moot.
   pytest_args = ["--pyargs", "properties.suite", "-q", "-p", "no:cacheprovider",
+                 "-W", "ignore::pytest.PytestAssertRewriteWarning",
                  f"--impl={args.impl}", f"--hypothesis-profile=ua-{args.profile}",
                  f"--ua-report={args.report}", f"--ua-failures={args.failures}",
                  *_worker_args(args)]
