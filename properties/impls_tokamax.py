@@ -157,18 +157,6 @@ def tokamax_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
   "h100_best" (``h100_best_config(causal)``), or a ``(fwd_config, vjp_config)``
   pair (tokamax sm90.Config / vjp_common.Config; either may be None).
   """
-  return _attention(q, k, v, segment_ids=segment_ids, causal=causal,
-                    window_len=window_len, cap_method=cap_method, cap_params=cap_params,
-                    temperature=temperature, sm_scale=sm_scale,
-                    z_loss_weight=z_loss_weight, return_lse=return_lse, config=config,
-                    impl="mosaic")
-
-
-def _attention(q, k, v, *, segment_ids, causal, window_len, cap_method, cap_params,
-               temperature, sm_scale, z_loss_weight, return_lse, config, impl):
-  """impl="mosaic": the kernel; impl="xla": tokamax's own XLA reference op
-  (base.DotProductAttention) fed the very same arguments -- runs on CPU, so the
-  argument mapping can be checked without a GPU."""
   sm_scale, segment_ids, temperature = _validate(
       q, k, v, segment_ids=segment_ids, causal=causal, window_len=window_len,
       cap_method=cap_method, cap_params=cap_params, temperature=temperature,
@@ -187,7 +175,7 @@ def _attention(q, k, v, *, segment_ids, causal, window_len, cap_method, cap_para
   else:
     raise NotImplementedError(f"tokamax has only the tanh soft cap, not {cap_method!r}")
   dtype = jnp.dtype(q.dtype)
-  if impl == "mosaic" and dtype.name not in ("bfloat16", "float16"):
+  if dtype.name not in ("bfloat16", "float16"):
     raise NotImplementedError(f"tokamax's Mosaic-GPU attention runs bf16/f16 only, not "
                               f"{dtype.name} (f32 would be downcast to bf16)")
 
@@ -228,7 +216,7 @@ def _attention(q, k, v, *, segment_ids, causal, window_len, cap_method, cap_para
     fwd_cfg, vjp_cfg = h100_best_config(bool(causal)) if d <= 128 else (None, None)
   else:
     fwd_cfg, vjp_cfg = config
-  op = _op(dtype.name, fwd_cfg, vjp_cfg) if impl == "mosaic" else tk.base.DotProductAttention()
+  op = _op(dtype.name, fwd_cfg, vjp_cfg)
 
   out, residuals = op(q, k, v, logits_scale=float(sm_scale), logits_soft_cap=soft_cap,
                       mask=mask, return_residuals=True)
