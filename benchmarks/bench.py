@@ -162,7 +162,7 @@ def peers(causal, window, cap, doc_len, hq, hkv):
   return out
 
 
-def torch_flex(b, t, h, d, causal, cap, repeats):
+def torch_flex(b, t, h, d, causal, cap, repeats, dtype="bfloat16"):
   """(fwd ms, fwd+bwd ms) of torch FlexAttention with a tanh score_mod, or None."""
   try:
     import torch
@@ -172,7 +172,7 @@ def torch_flex(b, t, h, d, causal, cap, repeats):
     return None
   if not torch.cuda.is_available():
     return None
-  q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+  q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=getattr(torch, dtype), requires_grad=True)
              for _ in range(3))
   score_mod = (lambda s, b_, h_, qi, ki: cap * torch.tanh(s / cap)) if cap else None
   mask = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, t, t) if causal else None
@@ -209,15 +209,18 @@ def main(argv=None):
   parser.add_argument("--set", default="quick", choices=sorted(CONFIGS))
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--no-peers", action="store_true")
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                      help="q, k, v dtype (every peer gets the same)")
   parser.add_argument("--json", default="bench.json")
   args = parser.parse_args(argv)
   header = provenance(argv)
   rows = []
   for b, t, hq, hkv, d, causal, window, cap, doc in CONFIGS[args.set]:
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), jnp.bfloat16)
-    k = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.bfloat16)
-    v = jnp.asarray(rng.normal(size=(b, t, hkv, d)), jnp.bfloat16)
+    dtype = jnp.dtype(args.dtype)
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
     seg = None if not doc else jnp.asarray(np.repeat(np.arange(t // doc), doc)[None].repeat(b, 0))
     flops = 4 * b * hq * d * visible_pairs(t, causal, window, doc)
     kw = dict(causal=causal, window_len=window, segment_ids=seg,
@@ -227,7 +230,8 @@ def main(argv=None):
                                                                q.dtype)), **PEER_CONFIGS}
     if not args.no_peers:
       impls.update(peers(causal, window, cap, doc, hq, hkv))
-    label = f"B{b} T{t} H{hq}/{hkv} D{d}" + (" causal" if causal else "") + \
+    label = f"B{b} T{t} H{hq}/{hkv} D{d}" + ("" if args.dtype == "bfloat16" else " f16") + \
+        (" causal" if causal else "") + \
         (f" win{window}" if window else "") + (f" tanh{cap:g}" if cap else "") + \
         (f" docs{doc}" if doc else "")
     fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, (q, k, v), args.repeats)
@@ -245,7 +249,7 @@ def main(argv=None):
                    "fwd_bwd_tflops": 3.5 * flops / bwd[name] / 1e9,
                    "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2 ** 30})
     if not args.no_peers and not window and not doc and hq == hkv:
-      flex = torch_flex(b, t, hq, d, causal, cap, args.repeats)
+      flex = torch_flex(b, t, hq, d, causal, cap, args.repeats, args.dtype)
       if flex:
         name = "torch_flex" + ("_tanh" if cap else "")
         rows.append({"case": label, "impl": name, "config": configs[name],
