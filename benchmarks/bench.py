@@ -33,6 +33,8 @@ import numpy as np
 
 import ua_kernels
 from properties.impls import PALLAS_MHA_TILES
+from ua_kernels.attention import forward_backend
+from ua_kernels.backends import triton_attention
 from ua_kernels.tuned_configs import default_config
 from ua_reference.contract import validate
 
@@ -225,9 +227,16 @@ def main(argv=None):
     flops = 4 * b * hq * d * visible_pairs(t, causal, window, doc)
     kw = dict(causal=causal, window_len=window, segment_ids=seg,
               cap_method="tanh" if cap else "none", cap_params=(cap,) if cap else ())
-    impls = {"ua_kernels": lambda q, k, v: ua_kernels.attention(q, k, v, **kw)}
-    configs = {"ua_kernels": dataclasses.asdict(default_config(validate(q, k, v, **kw)[0],
-                                                               q.dtype)), **PEER_CONFIGS}
+    # ua_kernels as it dispatches (the Mosaic forward on Hopper), and with
+    # every kernel on Pallas-Triton, timed side by side.
+    spec = validate(q, k, v, **kw)[0]
+    config = default_config(spec, q.dtype)
+    impls = {"ua_kernels": lambda q, k, v: ua_kernels.attention(q, k, v, **kw),
+             "ua_kernels[triton]": lambda q, k, v: triton_attention(q, k, v, **kw)}
+    configs = {"ua_kernels": {**dataclasses.asdict(config),
+                              "forward": forward_backend(spec, config, q.dtype)},
+               "ua_kernels[triton]": {**dataclasses.asdict(config), "forward": "triton"},
+               **PEER_CONFIGS}
     if not args.no_peers:
       impls.update(peers(causal, window, cap, doc, hq, hkv))
     label = f"B{b} T{t} H{hq}/{hkv} D{d}" + ("" if args.dtype == "bfloat16" else " f16") + \
@@ -271,17 +280,21 @@ def main(argv=None):
 
 
 def print_target_ratios(rows):
-  """The issue's targets as ratios within this run, each against a peer timed in
-  the same round-robin group: ours over JAX's Pallas-Triton kernel (for a tanh
-  cap, its no-cap kernel) and over FlexAttention-tanh."""
+  """The targets as ratios within this run (peer time / ours: above 1, ours is
+  faster), each against a peer timed in the same round-robin group: JAX's
+  Pallas-Triton kernel (for a tanh cap, its no-cap kernel), FlexAttention-tanh,
+  and cuDNN; for a tanh-capped configuration, cuDNN's no-cap time of the same
+  shape (timed in its own group: cuDNN has no cap)."""
   by = {(r["case"], r["impl"]): r for r in rows if "error" not in r}
   for (config, impl), r in sorted(by.items()):
-    if impl != "ua_kernels":
+    if not impl.startswith("ua_kernels"):
       continue
-    for peer in ("jax_pallas_triton", "jax_pallas_triton_nocap", "torch_flex_tanh"):
-      other = by.get((config, peer))
+    nocap = " ".join(word for word in config.split() if not word.startswith("tanh"))
+    for peer, where in (("jax_pallas_triton", config), ("jax_pallas_triton_nocap", config),
+                        ("torch_flex_tanh", config), ("jax.nn.dpa[cudnn]", nocap)):
+      other = by.get((where, peer))
       if other and (peer != "torch_flex_tanh" or "tanh" in config):
-        print(f"ratio {config:36} vs {peer:24} "
+        print(f"ratio {config:36} {impl:18} vs {peer:24} "
               f"fwd {other['fwd_ms'] / r['fwd_ms']:.2f}x  "
               f"fwd+bwd {other['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}x")
 

@@ -8,6 +8,6 @@ here (register_fast_form).
 
 from .attention import SUPPORTED_DTYPES, attention
 from .cap_forms import register_fast_form
-from .kernel_config import KernelConfig
+from .kernel_config import KernelConfig, MosaicTiles
 
-__all__ = ["attention", "KernelConfig", "SUPPORTED_DTYPES", "register_fast_form"]
+__all__ = ["attention", "KernelConfig", "MosaicTiles", "SUPPORTED_DTYPES", "register_fast_form"]

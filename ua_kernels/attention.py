@@ -17,7 +17,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from ua_reference.contract import StaticSpec, validate
 
-from . import cap_forms, fast_math, kernels
+from . import cap_forms, fast_math, kernels, mosaic_forward
 from .kernel_config import KernelConfig
 from .tile_math import LN2
 from .tuned_configs import default_config
@@ -97,7 +97,7 @@ def _pallas_call(config: KernelConfig, inputs, kernel, **kwargs):
   """pallas_call, interpreted or compiled as ``config`` says, with the kernel
   traced for the matching fast-math mode (ua_kernels.fast_math)."""
   interpret = _interpret(config)
-  with fast_math.native(not interpret):
+  with fast_math.native(None if interpret else "triton"):
     return pl.pallas_call(kernel, interpret=interpret, **kwargs)(*inputs)
 
 
@@ -157,7 +157,33 @@ def _query_program_specs(spec: StaticSpec, bq: int, head_dim: int, seq_pad: int)
   return tile, whole_kv, row
 
 
+def _is_hopper() -> bool:
+  """Whether the default device is an sm90 GPU (H100, H200): wgmma and the
+  TMA engine as Mosaic's Hopper lowering uses them exist there only."""
+  device = jax.devices()[0]
+  return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def forward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
+  """"mosaic" or "triton": the kernels of the forward for this call and config
+  (KernelConfig.backend)."""
+  if config.backend == "triton":
+    return "triton"
+  why = mosaic_forward.unsupported(spec, dtype)
+  if config.backend == "mosaic":
+    if why:
+      raise ValueError(f"KernelConfig(backend='mosaic'): {why}")
+    if config.interpret:
+      raise ValueError("KernelConfig(backend='mosaic') cannot run in the Pallas interpreter "
+                       "(interpret=True)")
+    return "mosaic"
+  return "mosaic" if why is None and not _interpret(config) and _is_hopper() else "triton"
+
+
 def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
+  if forward_backend(spec, config, q.dtype) == "mosaic":
+    return mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp,
+                                  fast_cap=_fast_cap(spec, q.dtype))
   b, t, hq, d = q.shape
   q, k, v, seg, spans, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg,
                                                                    temp)

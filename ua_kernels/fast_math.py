@@ -22,34 +22,52 @@ size, so that the CPU suite measures its effect against the tolerances, and
 the GPU suite checks the instruction itself.
 
 Which one a kernel traces is set by :func:`native`, which ua_kernels.attention
-enters around each compiled (non-interpreted) pallas_call.
+enters around each compiled (non-interpreted) pallas_call, naming the backend:
+Pallas-Triton takes the inline PTX above; Pallas Mosaic GPU has no inline
+elementwise assembly, and instead compiles ``jnp.exp2``/``jnp.tanh``/``jnp.log``
+to the same ``.approx`` instructions when the kernel is built with
+``approx_math`` (ua_kernels.mosaic_forward decides when it may be).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
-_NATIVE = contextvars.ContextVar("ua_native_fast_math", default=False)
+_NATIVE = contextvars.ContextVar("ua_native_fast_math", default=None)
+_BACKENDS = (None, "triton", "mosaic")
+_LOG2E = math.log2(math.e)
 
 
 @contextlib.contextmanager
-def native(enabled: bool):
-  """Kernels traced inside use the GPU instructions (``enabled``) or the emulation."""
-  token = _NATIVE.set(enabled)
+def native(backend):
+  """Kernels traced inside use the GPU instructions of ``backend`` ("triton",
+  "mosaic"), or the emulation (None: the Pallas interpreter)."""
+  if backend not in _BACKENDS:
+    raise ValueError(f"fast_math.native: backend must be one of {_BACKENDS}, got {backend!r}")
+  token = _NATIVE.set(backend)
   try:
     yield
   finally:
     _NATIVE.reset(token)
 
 
+def log2(x):
+  """log2 in float32. Mosaic GPU under jax 0.10 has no lowering for log2, so
+  there it is log(x) * log2(e), one rounding more (2^-24 relative)."""
+  if _NATIVE.get() == "mosaic":
+    return jnp.log(x) * _LOG2E
+  return jnp.log2(x)
+
+
 def exp2(x):
   """2^x in float32 (see the module doc); other dtypes take ``jnp.exp2``."""
-  if _NATIVE.get() and x.dtype == jnp.float32:
+  if _NATIVE.get() == "triton" and x.dtype == jnp.float32:
     [result] = pltriton.elementwise_inline_asm(
         "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct.like(x)])
@@ -60,6 +78,8 @@ def exp2(x):
 def approx_tanh(x):
   """tanh(x) in float32 to about 2^-11 relative (see the module doc)."""
   x = x.astype(jnp.float32)
-  if _NATIVE.get():
+  if _NATIVE.get() == "triton":
     return pltriton.approx_tanh(x)
+  if _NATIVE.get() == "mosaic":
+    return jnp.tanh(x)  # tanh.approx.f32: the kernel is built with approx_math
   return jnp.tanh(x).astype(jnp.float16).astype(jnp.float32)

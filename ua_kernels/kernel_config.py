@@ -5,6 +5,33 @@ from __future__ import annotations
 import dataclasses
 
 _WARPS = (1, 2, 4, 8, 16)
+BACKENDS = ("auto", "triton", "mosaic")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+  """Tiles of the Mosaic forward. ``block_q``: query rows per compute
+  warpgroup (a program owns two such blocks); ``block_kv``: keys per tile
+  (None: 128 up to head dim 128, else 64, what fits two stages of K and V in
+  shared memory at head dim 256); ``stages``: slots of the K/V ring."""
+
+  block_q: int = 64
+  block_kv: int | None = None
+  stages: int = 2
+
+  def __post_init__(self):
+    for name, allowed in (("block_q", (64, 128)), ("block_kv", (None, 64, 128, 256))):
+      value = getattr(self, name)
+      if isinstance(value, bool) or value not in allowed:
+        raise ValueError(f"MosaicTiles.{name} must be one of {allowed} (wgmma tiles), "
+                         f"got {value!r}")
+    if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
+      raise ValueError(f"MosaicTiles.stages must be an int >= 2, got {self.stages!r}")
+
+  def key_block(self, head_dim: int) -> int:
+    if self.block_kv is not None:
+      return self.block_kv
+    return 128 if head_dim <= 128 else 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +41,11 @@ class KernelConfig:
   Block sizes are powers of two >= 16 (Triton's dot needs 16-row tiles); each is
   clipped to the padded sequence length at call time. ``interpret=None`` picks
   the Pallas interpreter exactly when no GPU backend is present.
+
+  ``backend`` picks the forward's kernels: "auto" takes Mosaic GPU (tiles in
+  ``mosaic``) on Hopper for what it supports (ua_kernels.mosaic_forward) and
+  Pallas-Triton elsewhere; "triton" and "mosaic" force one (forcing Mosaic for
+  a call it cannot run is an error). The backward runs on Pallas-Triton.
   """
 
   block_q: int = 64
@@ -27,6 +59,8 @@ class KernelConfig:
   num_warps_bwd: int | None = None
   num_stages_bwd: int = 2
   interpret: bool | None = None
+  backend: str = "auto"
+  mosaic: MosaicTiles = MosaicTiles()
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq",
@@ -49,3 +83,7 @@ class KernelConfig:
     if self.interpret is not None and not isinstance(self.interpret, bool):
       raise TypeError(
           f"KernelConfig.interpret must be a bool or None, got {self.interpret!r}")
+    if self.backend not in BACKENDS:
+      raise ValueError(f"KernelConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+    if not isinstance(self.mosaic, MosaicTiles):
+      raise TypeError(f"KernelConfig.mosaic must be a MosaicTiles, got {self.mosaic!r}")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from . import fast_math
-from .tile_math import Logits, dot, exp2_shifted, row_max
+from .tile_math import Logits, along_rows, dot, exp2_shifted, row_max
 
 
 class SoftmaxState(NamedTuple):
@@ -32,20 +32,26 @@ class SoftmaxState(NamedTuple):
                jnp.zeros((block_q,), jnp.float32),
                jnp.zeros((block_q, head_dim), jnp.float32))
 
-  def update(self, logits: Logits, v: jax.Array, fixed_shift: float | None = None
-             ) -> "SoftmaxState":
-    """Folds in one key tile: its masked logits (-inf where hidden), values.
+  def step(self, logits: Logits, fixed_shift: float | None = None):
+    """One key tile's softmax part: (m, l, correction, p), where the new
+    accumulator is correction * acc + p @ v (correction None: acc unscaled).
+    Each backend does the p @ v its own way (update: a dot; Mosaic: wgmma).
     With a ``fixed_shift`` the cap bounds the logits: no running max, no rescale."""
     if fixed_shift is None:
       m_new = jnp.maximum(self.m, row_max(logits))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       correction = fast_math.exp2(self.m - m_safe)
       p = exp2_shifted(logits, m_safe)
-      l, acc = correction * self.l, correction[:, None] * self.acc
-    else:
-      m_new, l, acc = self.m, self.l, self.acc
-      p = exp2_shifted(logits, fixed_shift)
-    return SoftmaxState(m_new, l + jnp.sum(p, axis=1), acc + dot(p.astype(v.dtype), v))
+      return m_new, correction * self.l + jnp.sum(p, axis=1), correction, p
+    p = exp2_shifted(logits, fixed_shift)
+    return self.m, self.l + jnp.sum(p, axis=1), None, p
+
+  def update(self, logits: Logits, v: jax.Array, fixed_shift: float | None = None
+             ) -> "SoftmaxState":
+    """Folds in one key tile: its masked logits (-inf where hidden), values."""
+    m, l, correction, p = self.step(logits, fixed_shift)
+    acc = self.acc if correction is None else along_rows(correction, self.acc) * self.acc
+    return SoftmaxState(m, l, acc + dot(p.astype(v.dtype), v))
 
   def finalize(self) -> tuple[jax.Array, jax.Array]:
     """Returns (out, lse2), lse2 the log-sum-exp in base 2 (what the backward
@@ -55,6 +61,6 @@ class SoftmaxState(NamedTuple):
     # A reciprocal per row, not a division per element: on the H200 the same
     # time and the same bits (docs/BENCHMARKS.md, "What moved the forward");
     # the benchmark tables were measured with it.
-    out = self.acc * (1.0 / l_safe)[:, None]
-    lse2 = jnp.where(has_key, self.m + jnp.log2(l_safe), -jnp.inf)
+    out = self.acc * along_rows(1.0 / l_safe, self.acc)
+    lse2 = jnp.where(has_key, self.m + fast_math.log2(l_safe), -jnp.inf)
     return out, lse2

@@ -41,21 +41,42 @@ def positions(start, size):
   return start + jnp.arange(size, dtype=jnp.int32)
 
 
+def along_rows(x, like):
+  """A per-row vector ([block_q]) broadcast to the tile ``like``. Explicit
+  broadcast_in_dim, not x[:, None]: Mosaic GPU lays out a [block_q, 1] array
+  nowhere, Triton and the interpreter take either."""
+  return lax.broadcast_in_dim(x, like.shape, (0,))
+
+
+def along_cols(x, like):
+  """A per-column vector ([block_kv]) broadcast to the tile ``like``."""
+  return lax.broadcast_in_dim(x, like.shape, (1,))
+
+
+def _tile_grid(x, shape, axis):
+  """A per-row (axis 0) or per-column (axis 1) vector as a ``shape`` tile; a
+  tile already (Mosaic builds its positions with a layout) passes through."""
+  return x if x.ndim == 2 else lax.broadcast_in_dim(x, shape, (axis,))
+
+
 def visible_mask(spec: StaticSpec, q_pos, k_pos, q_seg, k_seg, *, padded: bool):
   """[block_q, block_kv] bool: key j visible to query i; None if all visible.
 
-  ``padded`` says the sequence was padded to a block multiple, so positions
-  >= seq_len (queries and keys) are hidden too.
+  Positions and segment ids come as vectors (query ones per row, key ones per
+  column) or as whole tiles. ``padded`` says the sequence was padded to a
+  block multiple, so positions >= seq_len (queries and keys) are hidden too.
   """
+  shape = (q_pos.shape[0], k_pos.shape[-1])
+  q_pos, k_pos = _tile_grid(q_pos, shape, 0), _tile_grid(k_pos, shape, 1)
   conditions = []
   if padded:
-    conditions.append((q_pos[:, None] < spec.seq_len) & (k_pos[None, :] < spec.seq_len))
+    conditions.append((q_pos < spec.seq_len) & (k_pos < spec.seq_len))
   if q_seg is not None:
-    conditions.append(q_seg[:, None] == k_seg[None, :])
+    conditions.append(_tile_grid(q_seg, shape, 0) == _tile_grid(k_seg, shape, 1))
   if spec.causal:
-    conditions.append(k_pos[None, :] <= q_pos[:, None])
+    conditions.append(k_pos <= q_pos)
   if spec.window_len > 0:
-    conditions.append(k_pos[None, :] > q_pos[:, None] - spec.window_len)
+    conditions.append(k_pos > q_pos - spec.window_len)
   if not conditions:
     return None
   mask = conditions[0]
@@ -119,15 +140,21 @@ def fixed_shift(spec: StaticSpec, dtype, has_temperature: bool) -> float | None:
 
 
 def tile_logits(spec: StaticSpec, q, k, temp, mask, fast_cap: bool) -> Logits:
-  """The contract's logits (capped, then temperature-scaled), masked to -inf
-  where hidden. ``fast_cap`` selects the cap's fast form (bfloat16; cap_forms).
+  """The contract's logits of q @ k^T; see scores_to_logits."""
+  return scores_to_logits(spec, dot(q, k, trans_b=True), temp, mask, fast_cap)
+
+
+def scores_to_logits(spec: StaticSpec, qk, temp, mask, fast_cap: bool) -> Logits:
+  """The contract's logits (capped, then temperature-scaled) of the float32
+  scores q.k, masked to -inf where hidden. ``fast_cap`` selects the cap's fast
+  form (bfloat16; cap_forms). Every backend computes qk its own way (a Triton
+  dot, a Mosaic wgmma) and its logits here.
 
   A cap declared homogeneous, cap(a*x; a*p) = a*cap(x; p) for a > 0, is
   evaluated with its first parameter p0 moved out, p0 * cap(sm_scale*q.k/p0; p/p0),
   and p0 left to the exp2's multiply: for the tanh cap, tanh(q.k * sm_scale/c)
   is one multiply and one tanh per logit, the same function as c*tanh(s/c).
   """
-  qk = dot(q, k, trans_b=True)
   if spec.cap_method == "none":
     scores, scale, cap_arg, params = qk, spec.sm_scale * LOG2E, None, ()
   else:
@@ -138,7 +165,7 @@ def tile_logits(spec: StaticSpec, q, k, temp, mask, fast_cap: bool) -> Logits:
   if temp is not None or scale <= 0:
     # A per-row temperature (of either sign) or an sm_scale <= 0 does not
     # commute with the row max (nor -inf * 0 with the mask): multiply first.
-    scores = scores * (scale if temp is None else temp[:, None] * scale)
+    scores = scores * (scale if temp is None else along_rows(temp * scale, scores))
     scale = 1.0
   if mask is not None:
     scores = jnp.where(mask, scores, -jnp.inf)
@@ -154,7 +181,7 @@ def exp2_shifted(logits: Logits, shift):
   """exp2(logits - shift), the multiply fused into the subtraction; ``shift``
   is one value per row, or a static float (fixed_shift)."""
   if not isinstance(shift, float):
-    shift = shift[:, None]
+    shift = along_rows(shift, logits.scores)
   return fast_math.exp2(logits.scores * logits.scale - shift)
 
 

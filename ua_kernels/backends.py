@@ -1,0 +1,54 @@
+"""Each forward backend as an implementation of its own, for the suite
+(``--impl ua_kernels.backends:mosaic_attention``) and for benchmarks.
+
+``ua_kernels.attention`` picks the backend per call (KernelConfig.backend
+"auto"); these force one, so that each is verified and timed as itself, with
+capability declarations that say what it runs (docs/PLUGINS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from . import cap_forms, mosaic_forward
+from .attention import SUPPORTED_DTYPES, _config_for_tiles, attention
+from .kernel_config import KernelConfig
+from .tuned_configs import default_config
+from ua_reference.contract import validate
+
+
+def _forced(backend: str, q, k, v, config, kwargs):
+  if config is None:
+    spec, _, _ = validate(q, k, v, **kwargs)
+    config = default_config(spec, q.dtype)
+  elif not isinstance(config, KernelConfig):
+    raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
+  return attention(q, k, v, config=dataclasses.replace(config, backend=backend), **kwargs)
+
+
+def mosaic_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
+  """ua_kernels.attention with the forward on Pallas Mosaic GPU (Hopper only;
+  bfloat16/float16, head dims up to 256); the backward on Pallas-Triton."""
+  return _forced("mosaic", q, k, v, config, kwargs)
+
+
+def triton_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
+  """ua_kernels.attention with every kernel on Pallas-Triton (any GPU, float32,
+  and the CPU interpreter)."""
+  return _forced("triton", q, k, v, config, kwargs)
+
+
+mosaic_attention.ua_dtypes = tuple(jnp.dtype(d).name for d in mosaic_forward.DTYPES)
+mosaic_attention.ua_head_dims = lambda d: d <= mosaic_forward.MAX_HEAD_DIM
+# A program's 2 x 64 query rows, key tiles of 128 (64 at head dims over 128),
+# and the backward's Triton tiles.
+mosaic_attention.ua_block_sizes = (64, 128)
+mosaic_attention.ua_cap_forms = cap_forms.fast_forms
+
+triton_attention.ua_dtypes = tuple(jnp.dtype(d).name for d in SUPPORTED_DTYPES)
+triton_attention.ua_block_sizes = attention.ua_block_sizes
+triton_attention.ua_config = lambda bq, bkv: dataclasses.replace(_config_for_tiles(bq, bkv),
+                                                                  backend="triton")
+triton_attention.ua_cap_forms = cap_forms.fast_forms

@@ -1,0 +1,273 @@
+"""The forward kernel on Pallas Mosaic GPU, for Hopper (sm90): TMA copies, wgmma,
+and warpgroup specialisation, which Pallas-Triton does not emit.
+
+Structure of JAX's ``attention_mgpu.py`` forward: a program owns 2 * block_q
+query rows of one (batch, query head); three warpgroups share it. Two compute
+warpgroups own block_q rows each; the third only issues TMA copies of key and
+value tiles into a ring of ``stages`` shared-memory slots, guarded by a
+"loaded" barrier per slot (TMA arrives) and a "free" one (both compute
+warpgroups arrive). A schedule barrier alternates the compute warpgroups, so
+one's softmax overlaps the other's matmuls.
+
+Every masking and capping rule comes from tile_math, as in the Triton kernels:
+the logits are tile_math.scores_to_logits of the wgmma's scores, the mask is
+tile_math.visible_mask of position tiles, the online softmax is
+SoftmaxState.step, and the key-tile ranges are tile_math.kv_tiles (causal and
+window tiles outside the band are never loaded; the fully visible ones run
+without a mask). The memory warpgroup loads the union of both compute
+warpgroups' ranges; a compute warpgroup passes over tiles of that union that
+are outside its own range ("drain": it waits for and releases the slot, and
+keeps the schedule barrier's count), since a barrier's phase is tracked by
+each waiting thread and must not be skipped.
+
+Outputs what the Triton forward does (out, base-2 lse per row), so the Triton
+backward runs on this forward's residuals unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ua_reference.contract import StaticSpec
+
+from . import fast_math
+from .kernel_config import MosaicTiles
+from .softmax_state import SoftmaxState
+from .tile_math import along_rows, fixed_shift, kv_block_range, kv_tiles, scores_to_logits, \
+    visible_mask
+
+# bfloat16 and float16: wgmma's 16-bit operands (float32 stays on Triton).
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Head dims are padded to a multiple of 64 (one 128-byte swizzled row of
+# 16-bit values); 256 is the largest whose tiles fit the shared memory.
+MAX_HEAD_DIM = 256
+
+
+def unsupported(spec: StaticSpec, dtype) -> str | None:
+  """Why the Mosaic forward cannot run this call (None: it can)."""
+  if jnp.dtype(dtype) not in DTYPES:
+    return f"the Mosaic backend takes bfloat16 and float16, not {jnp.dtype(dtype).name}"
+  if spec.head_dim > MAX_HEAD_DIM:
+    return f"the Mosaic backend takes head dims up to {MAX_HEAD_DIM}, not {spec.head_dim}"
+  return None
+
+
+def _plgpu():
+  # Imported when first used: Mosaic GPU's Python modules load MLIR bindings
+  # (and, under jax 0.10, absl), which nothing else of the package needs.
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu
+
+
+def _load_vector(plgpu, ref, layout):
+  """plgpu.load of a whole 1-D ref: jax 0.10 requires the index argument,
+  0.11 deprecates it."""
+  if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=layout, optimized=False)
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _approx_math(spec: StaticSpec, fast_cap: bool) -> bool:
+  """Whether the kernel is built with approx_math, which makes every exp2,
+  log and tanh of the kernel an ``.approx`` instruction: without a cap (the
+  softmax's exp2 is the Triton kernels' ex2.approx too) or with the caps'
+  fast forms (bfloat16). Exact caps (float16; caps above FAST_CAP_MAX_PARAM)
+  keep accurate transcendentals."""
+  return spec.cap_method == "none" or fast_cap
+
+
+def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_cap: bool):
+  """(out [B, T, Hq, D], lse2 [B, Hq, T] base 2) of the unpadded inputs;
+  ``seg`` [B, T] int32 or None; ``temp`` [B, T, Hq] float32 or None."""
+  plgpu = _plgpu()
+  b, t, hq, d = q.shape
+  hkv, group = spec.num_kv_heads, spec.group_size
+  dtype = q.dtype
+  block_q = tiles.block_q
+  head_dim = -(-d // 64) * 64
+  block_kv = tiles.key_block(head_dim)
+  rows = 2 * block_q
+  step = rows * block_kv // math.gcd(rows, block_kv)
+  seq_pad = -(-t // step) * step
+  padded = seq_pad != t
+  num_kv = seq_pad // block_kv
+  stages = min(tiles.stages, num_kv)
+
+  def pad(x, axis_sizes):
+    pads = [(0, 0)] * x.ndim
+    for axis, size in axis_sizes.items():
+      pads[axis] = (0, size - x.shape[axis])
+    return x if all(p == (0, 0) for p in pads) else jnp.pad(x, pads)
+
+  q, k, v = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
+  has_seg, has_temp = seg is not None, temp is not None
+  seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)
+  temp = (pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad}) if has_temp
+          else jnp.zeros((b, hq, seq_pad), jnp.float32))
+  shift = fixed_shift(spec, dtype, has_temp)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+  def kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, out_ref, lse_ref,
+             q_smem2, k_smem, v_smem, lse_smem2,
+             q_loaded, k_loaded, v_loaded, k_free, v_free, schedule):
+    bi = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    tile = lax.axis_index("q_tiles")
+    wg = lax.axis_index("wg")
+    kv_head = lax.div(h, jnp.int32(group))
+    cta_lo, cta_hi = kv_block_range(spec_padded, tile * rows, rows, block_kv)
+
+    def slot(kb):
+      return lax.rem(kb - cta_lo, jnp.int32(stages))
+
+    def schedule_sync():
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+      q_start = tile * rows + wg * block_q
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, block_q), h], q_smem,
+                              q_loaded.at[wg])
+      q_seg = (_load_vector(plgpu, seg_ref.at[bi, pl.ds(q_start, block_q)], row_layout)
+               if has_seg else None)
+      q_temp = (_load_vector(plgpu, temp_ref.at[bi, h, pl.ds(q_start, block_q)], row_layout)
+                if has_temp else None)
+      plgpu.barrier_wait(q_loaded.at[wg])
+
+      def drain(kb, carry):
+        s = slot(kb)
+        plgpu.barrier_wait(k_loaded.at[s])
+        plgpu.barrier_arrive(k_free.at[s])
+        schedule_sync()
+        plgpu.barrier_wait(v_loaded.at[s])
+        plgpu.barrier_arrive(v_free.at[s])
+        schedule_sync()
+        return carry
+
+      def visit(kb, state, masked):
+        s = slot(kb)
+        plgpu.barrier_wait(k_loaded.at[s])
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[s].transpose((1, 0)))
+          schedule_sync()
+          return acc_ref[...]
+
+        scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[s])
+        mask = None
+        if masked:
+          shape = (block_q, block_kv)
+          q_pos = q_start + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+          k_pos = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                          layout=plgpu.Layout.WGMMA)
+          k_seg = (_load_vector(plgpu, seg_ref.at[bi, pl.ds(kb * block_kv, block_kv)],
+                                col_layout) if has_seg else None)
+          mask = visible_mask(spec, q_pos, k_pos, q_seg, k_seg, padded=padded)
+        logits = scores_to_logits(spec, scores, q_temp, mask, fast_cap)
+        m, l, correction, p = state.step(logits, shift)
+        acc = state.acc if correction is None else along_rows(correction, state.acc) * state.acc
+        p = p.astype(dtype)
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_loaded.at[s])
+        plgpu.barrier_wait(schedule)
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p, v_smem.at[s])
+
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[s])
+        return SoftmaxState(m, l, acc)
+
+      state = SoftmaxState(
+          plgpu.layout_cast(jnp.full((block_q,), -jnp.inf if shift is None else shift,
+                                     jnp.float32), row_layout),
+          plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout),
+          plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA))
+      lo, full_lo, full_hi, hi = kv_tiles(spec_padded, q_start, block_q, block_kv, padded)
+      pl.when(wg == 1)(schedule_sync)
+      state = lax.fori_loop(cta_lo, lo, drain, state)
+      masked = lambda kb, c: visit(kb, c, True)
+      if full_lo is None:
+        state = lax.fori_loop(lo, hi, masked, state)
+      else:
+        state = lax.fori_loop(lo, full_lo, masked, state)
+        state = lax.fori_loop(full_lo, full_hi, lambda kb, c: visit(kb, c, False), state)
+        state = lax.fori_loop(full_hi, hi, masked, state)
+      state = lax.fori_loop(hi, cta_hi, drain, state)
+      pl.when(wg == 0)(schedule_sync)
+
+      out, lse2 = state.finalize()
+      q_smem[...] = out.astype(dtype)  # Q's buffer holds O on its way out
+      lse_smem[...] = lse2
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, out_ref.at[bi, pl.ds(q_start, block_q), h])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, h, pl.ds(q_start, block_q)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      @pl.loop(cta_lo, cta_hi)
+      def _(kb):
+        s = slot(kb)
+        rows_of = (bi, pl.ds(kb * block_kv, block_kv), kv_head)
+
+        @pl.when(kb >= cta_lo + stages)
+        def _():
+          plgpu.barrier_wait(k_free.at[s])
+
+        plgpu.copy_gmem_to_smem(k_ref.at[rows_of], k_smem.at[s], k_loaded.at[s])
+
+        @pl.when(kb >= cta_lo + stages)
+        def _():
+          plgpu.barrier_wait(v_free.at[s])
+
+        plgpu.copy_gmem_to_smem(v_ref.at[rows_of], v_smem.at[s], v_loaded.at[s])
+
+  # kv_tiles/kv_block_range count tiles over the padded length; masks use
+  # spec's own seq_len (visible_mask's padded flag hides the padding).
+  spec_padded = dataclasses.replace(spec, seq_len=seq_pad)
+  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  scratch = [
+      plgpu.SMEM((2, block_q, head_dim), dtype, transforms=swizzled),
+      plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=swizzled),
+      plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=swizzled),
+      plgpu.SMEM((2, block_q), jnp.float32),
+      plgpu.Barrier(num_barriers=2),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2),
+  ]
+  params = plgpu.CompilerParams(approx_math=_approx_math(spec, fast_cap),
+                                lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  call = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
+                jax.ShapeDtypeStruct((b, hq, seq_pad), jnp.float32)),
+      scratch_types=scratch,
+      grid=(hq, seq_pad // rows, b),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=params,
+      kernel_name="ua_forward_mosaic",
+  )
+  with fast_math.native("mosaic"):
+    out, lse2 = call(q, k, v, seg, temp)
+  return out[:, :t, :, :d], lse2[:, :, :t]
