@@ -15,6 +15,13 @@ import time
 
 from .loading import DEFAULT_IMPL, import_modules
 
+# Oracle-property tests per dtype in a time-boxed campaign. The gpu profile's
+# own 10 chunks hold 1080 oracle cases; two H200s ran 1010 of them in a 3.5
+# minute box and then stood idle for a third of their worker time
+# (docs/VERIFICATION.md). 100 chunks hold 10,800, an hour of one GPU; tests
+# the box does not reach are skipped at no cost.
+TIME_BOX_ORACLE_CHUNKS = 100
+
 PROFILE_NAMES = ("ci", "dev", "fuzz", "gpu")
 
 
@@ -68,6 +75,10 @@ def verify_main(argv=None) -> int:
   parser.add_argument("--workers-per-gpu", type=int, default=6)
   parser.add_argument("--minutes", type=float, default=None,
                       help="time box: tests not started within it are skipped")
+  parser.add_argument("--oracle-chunks", type=int, default=None,
+                      help="tests per dtype of each oracle property; with --minutes the "
+                           f"default is {TIME_BOX_ORACLE_CHUNKS}, more than a box runs, so "
+                           "that no worker idles before the deadline")
   parser.add_argument("--case-timeout", type=float, default=None,
                       help="seconds after which a case counts as hung (gpu profile: 900)")
   parser.add_argument("--failures", default="ua-failures", help="directory of case files")
@@ -83,6 +94,9 @@ def verify_main(argv=None) -> int:
   import pytest
 
   gpu = args.profile == "gpu"
+  chunks = args.oracle_chunks
+  if chunks is None and args.minutes is not None:
+    chunks = TIME_BOX_ORACLE_CHUNKS
   timeout = args.case_timeout if args.case_timeout is not None else (900.0 if gpu else None)
   cache = args.compile_cache or (".ua-jax-cache" if gpu else None)
   # ua-verify runs inside the package whose plugin pytest then loads: pytest's
@@ -93,6 +107,7 @@ def verify_main(argv=None) -> int:
                  f"--ua-report={args.report}", f"--ua-failures={args.failures}",
                  *_worker_args(args)]
   for flag, value in (("--ua-import", args.imports), ("--ua-minutes", args.minutes),
+                      ("--ua-oracle-chunks", chunks),
                       ("--ua-case-timeout", timeout), ("--ua-database", args.database),
                       ("--ua-shared-database", args.shared_database),
                       ("--ua-compile-cache", cache)):

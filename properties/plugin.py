@@ -50,6 +50,9 @@ def pytest_addoption(parser):
                   help="seconds after which a case counts as hung (ends its worker)")
   group.addoption("--ua-minutes", type=float, default=None,
                   help="time box: no case starts after it (tests not started are skipped)")
+  group.addoption("--ua-oracle-chunks", type=int, default=None,
+                  help="tests per dtype of each oracle property (default: the profile's); "
+                       "more than the profile's run after every other test")
   group.addoption("--ua-database", default=None,
                   help="Hypothesis example database directory (default .hypothesis/ua-examples)")
   group.addoption("--ua-shared-database", default=None,
@@ -117,24 +120,34 @@ class PropertyTest:
     return "-".join(parts + ([f"c{self.chunk:02d}"] if self.chunks > 1 else []))
 
 
-def property_tests(profile) -> list["PropertyTest"]:
+def property_tests(profile, oracle_chunks: int | None = None) -> list["PropertyTest"]:
+  """Every property's tests: the profile's chunks of the oracle properties
+  among the others, then ``oracle_chunks`` minus those more chunks of the
+  oracle properties. A time-boxed campaign asks for more than its box can run
+  (ua-verify --minutes), so that no worker runs out of tests before the
+  deadline, while a short box still reaches every property first."""
   from .capabilities import DTYPES
   from .registry import PROPERTIES
-  tests = []
+  chunks = max(profile.oracle_chunks, oracle_chunks or 0)
+  tests, extra = [], []
   for prop in PROPERTIES:
     if not prop.per_dtype:
       tests.append(PropertyTest(prop.name))
       continue
-    chunks = profile.oracle_chunks if prop.oracle else 1
+    if not prop.oracle:
+      tests += [PropertyTest(prop.name, dtype) for dtype in DTYPES]
+      continue
     tests += [PropertyTest(prop.name, dtype, chunk, chunks)
-              for chunk in range(chunks) for dtype in DTYPES]
-  return tests
+              for chunk in range(profile.oracle_chunks) for dtype in DTYPES]
+    extra += [PropertyTest(prop.name, dtype, chunk, chunks)
+              for chunk in range(profile.oracle_chunks, chunks) for dtype in DTYPES]
+  return tests + extra
 
 
 def pytest_generate_tests(metafunc):
   if "ua_property_test" in metafunc.fixturenames:
     from . import profiles
-    tests = property_tests(profiles.active())
+    tests = property_tests(profiles.active(), metafunc.config.getoption("ua_oracle_chunks"))
     metafunc.parametrize("ua_property_test", tests, ids=[t.id for t in tests])
 
 
