@@ -59,15 +59,19 @@ PEER_CONFIGS["torch_flex_tanh"] = PEER_CONFIGS["torch_flex"]
 
 
 def _git_commit():
-  """HEAD of this repository; else the content of its .commit file; else "unknown"."""
+  """The commit measured: the content of a .commit file at the repository root
+  when one is there (written beside a copy of the tree sent to a machine whose
+  git directory may be stale or absent), else git's HEAD, else "unknown"."""
+  try:
+    recorded = (_ROOT / ".commit").read_text().strip()
+    if recorded:
+      return recorded
+  except OSError:
+    pass
   try:
     return subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "HEAD"], check=True,
                           capture_output=True, text=True, timeout=10).stdout.strip()
   except Exception:  # noqa: BLE001 -- no git, or no repository (a copied tree)
-    pass
-  try:
-    return (_ROOT / ".commit").read_text().strip() or "unknown"
-  except OSError:
     return "unknown"
 
 

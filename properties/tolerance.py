@@ -6,7 +6,8 @@ where X_oracle is ua_reference in float64 and X_ref is ua_reference run on the
 same-precision inputs (its natural precision for that dtype). The case passes iff
     err_impl <= ALPHA[X] * err_ref + floor[X],
 floor[X] = FLOOR[dtype] * max(max |X_oracle|, a bound on the terms summed into
-X), plus for gradients LOGIT_EPS * max |lse| * terms: gradients can cancel
+X), plus for lse 4 float32 ulps of the logits' products (logit_terms), and for
+gradients LOGIT_EPS * max |lse| * terms: gradients can cancel
 to ~0 (T = 1 gives dq = dk = 0 exactly) while a kernel still rounds terms of
 size |dO||V|, and a kernel that recomputes logits in the backward sees them
 one ulp away from the forward's, which a reference computing them once does not.
@@ -100,7 +101,25 @@ def floors(case, inputs: dict, oracle: dict, lse_max: float) -> dict[str, float]
     scale = max(_absmax(oracle[name]), term)
     recompute = LOGIT_EPS * lse_max * term if name in ("dq", "dk", "dv") else 0.0
     out[name] = FLOOR[case.dtype] * scale + recompute
+  if "lse" in out:
+    out["lse"] += FLOOR["float32"] * logit_terms(case, inputs)
   return out
+
+
+def logit_terms(case, inputs: dict) -> float:
+  """A bound on the sum of |products| behind one logit, |temperature| * |sm_scale|
+  * sum_d |q_d k_d| <= |temperature| * |sm_scale| * max ||q_i|| * max ||k_j|| (a
+  cap's slope is at most 1). The logits are float32 dot products for every
+  input dtype, and their rounding error scales with this sum, not with the
+  logit: when the products cancel, a logit of 12 built of products near 100
+  is off by ulps of 100. lse moves by at most the logits' error; FLOOR["float32"]
+  (4 ulps) of this sum is below the probabilistic bound of a D-term dot,
+  sqrt(D) * u * sum |q_d k_d| (Higham & Mary 2019), for D >= 16.
+  docs/TOLERANCES.md, "lse floor"."""
+  row_norm = lambda x: float(np.max(np.linalg.norm(_as64(x), axis=-1), initial=0.0))
+  sm = abs(case.sm_scale if case.sm_scale is not None else case.head_dim ** -0.5)
+  temp = 1.0 if inputs["temperature"] is None else _absmax(inputs["temperature"])
+  return temp * sm * row_norm(inputs["q"]) * row_norm(inputs["k"])
 
 
 def reference_error(ref, oracle) -> float:

@@ -1,0 +1,163 @@
+"""The Mosaic GPU forward (ua_kernels/mosaic_forward.py).
+
+Its numerics need a Hopper GPU: there the kernel tests below compare it with
+the Triton forward, and the suite verifies it as its own implementation
+(``ua-verify --impl ua_kernels.backends:mosaic_attention --profile gpu``,
+docs/VERIFICATION.md). Without one (CI), every supported shape class is
+lowered for CUDA, through Mosaic GPU's whole lowering to its MLIR module: a
+dtype, shape, layout or shared-memory error of the kernel fails here.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ua_kernels
+from ua_kernels import KernelConfig, MosaicTiles
+from ua_kernels.attention import _is_hopper, forward_backend
+from ua_reference.contract import validate
+
+MOSAIC = KernelConfig(backend="mosaic")
+
+# (B, T, Hq, Hkv, D, dtype, options): every feature, each head dim class,
+# lengths off the 128-row tile, GQA and MQA.
+SHAPE_CLASSES = [
+    (1, 256, 2, 2, 64, jnp.bfloat16, {}),
+    (2, 384, 4, 2, 128, jnp.bfloat16, dict(causal=True)),
+    (1, 200, 4, 1, 128, jnp.float16, dict(causal=True, window_len=37)),
+    (1, 512, 2, 2, 256, jnp.bfloat16, dict(causal=True, cap_method="tanh", cap_params=(30.0,))),
+    (1, 300, 2, 2, 80, jnp.float16, dict(cap_method="tanh", cap_params=(5.0,))),
+    (2, 129, 8, 2, 64, jnp.bfloat16, dict(segment_ids=True, temperature=True, window_len=64)),
+    (1, 256, 2, 1, 128, jnp.bfloat16, dict(cap_method="asym_tanh", cap_params=(2.0, 1.0))),
+    (1, 256, 2, 2, 192, jnp.float16, dict(cap_method="hard", cap_params=(4.0,), sm_scale=-0.1)),
+    (1, 100, 2, 2, 128, jnp.bfloat16, dict(cap_method="tanh", cap_params=(1000.0,))),
+    (1, 1, 2, 2, 32, jnp.bfloat16, dict(causal=True, z_loss_weight=0.5)),
+]
+
+
+def _arguments(b, t, hq, hkv, d, dtype, options):
+  options = dict(options)
+  extra = {}
+  if options.pop("segment_ids", False):
+    extra["segment_ids"] = jax.ShapeDtypeStruct((b, t), jnp.int32)
+  if options.pop("temperature", False):
+    extra["temperature"] = jax.ShapeDtypeStruct((b, t, hq), jnp.float32)
+  q = jax.ShapeDtypeStruct((b, t, hq, d), dtype)
+  kv = jax.ShapeDtypeStruct((b, t, hkv, d), dtype)
+  return (q, kv, kv), extra, options
+
+
+def _lowered_text(fn, args, extra):
+  return jax.jit(fn).trace(*args, **extra).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}-"
+                         f"{jnp.dtype(c[5]).name}-{'-'.join(sorted(c[6])) or 'plain'}")
+def test_forward_lowers_for_cuda(shape_class):
+  args, extra, options = _arguments(*shape_class)
+
+  def forward(q, k, v, **extra):
+    return ua_kernels.attention(q, k, v, config=MOSAIC, return_lse=True, **options, **extra)
+
+  text = _lowered_text(forward, args, extra)
+  assert text.count("mosaic_gpu") >= 1, "the forward did not lower to a Mosaic GPU kernel"
+  assert "ua_forward_mosaic" in text
+
+
+def test_forward_and_backward_lower_for_cuda():
+  """The Mosaic forward beside the Triton backward (the custom VJP's residuals),
+  both compiled kernels (interpret=False: not the interpreter of this CPU)."""
+  args, extra, options = _arguments(1, 256, 4, 2, 128, jnp.bfloat16,
+                                    dict(causal=True, cap_method="tanh", cap_params=(20.0,)))
+  config = dataclasses.replace(MOSAIC, interpret=False)
+
+  def loss(q, k, v):
+    return jnp.sum(ua_kernels.attention(q, k, v, config=config, **options).astype(jnp.float32))
+
+  text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), args, extra)
+  assert "mosaic_gpu" in text and "ua_backward_dq" in text and "ua_backward_dkv" in text
+
+
+def test_shared_memory_overflow_is_a_lowering_error():
+  """Tiles too large for the 227 KiB of shared memory fail at lowering, with
+  Mosaic's message, not at run time."""
+  args, extra, _ = _arguments(1, 512, 2, 2, 256, jnp.bfloat16, {})
+  config = KernelConfig(backend="mosaic", mosaic=MosaicTiles(block_kv=256, stages=4))
+  with pytest.raises(ValueError, match="shared memory"):
+    _lowered_text(lambda q, k, v: ua_kernels.attention(q, k, v, config=config), args, extra)
+
+
+def _spec(dtype=jnp.bfloat16, d=128, **options):
+  x = jnp.zeros((1, 16, 2, d), dtype)
+  return validate(x, x, x, **options)[0]
+
+
+def test_dispatch():
+  spec = _spec()
+  assert forward_backend(spec, KernelConfig(backend="triton"), jnp.bfloat16) == "triton"
+  assert forward_backend(spec, MOSAIC, jnp.bfloat16) == "mosaic"
+  # Without a Hopper GPU (here: the interpreter) "auto" is Triton.
+  if not _is_hopper():
+    assert forward_backend(spec, KernelConfig(), jnp.bfloat16) == "triton"
+  else:
+    assert forward_backend(spec, KernelConfig(), jnp.bfloat16) == "mosaic"
+    assert forward_backend(spec, KernelConfig(), jnp.float32) == "triton"
+    assert forward_backend(_spec(segment_ids=jnp.zeros((1, 16), jnp.int32)), KernelConfig(),
+                           jnp.bfloat16) == "triton"
+
+
+@pytest.mark.parametrize("dtype, d, match", [(jnp.float32, 128, "bfloat16 and float16"),
+                                             (jnp.bfloat16, 320, "head dims up to 256")])
+def test_forcing_mosaic_where_it_cannot_run_is_an_error(dtype, d, match):
+  x = jnp.zeros((1, 16, 2, d), dtype)
+  with pytest.raises(ValueError, match=match):
+    ua_kernels.attention(x, x, x, config=MOSAIC)
+
+
+def test_forcing_mosaic_in_the_interpreter_is_an_error():
+  x = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="interpret"):
+    ua_kernels.attention(x, x, x, config=KernelConfig(backend="mosaic", interpret=True))
+
+
+@pytest.mark.parametrize("field, value", [("block_q", 32), ("block_q", 256), ("block_kv", 96),
+                                          ("stages", 1), ("block_kv", True)])
+def test_mosaic_tiles_are_validated(field, value):
+  with pytest.raises(ValueError, match=f"MosaicTiles.{field}"):
+    MosaicTiles(**{field: value})
+
+
+def test_backend_is_validated():
+  with pytest.raises(ValueError, match="KernelConfig.backend"):
+    KernelConfig(backend="cuda")
+  with pytest.raises(TypeError, match="KernelConfig.mosaic"):
+    KernelConfig(mosaic=(64, 128))
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
+@pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_mosaic_forward_matches_triton_forward(shape_class):
+  """Compiled on Hopper: the Mosaic forward against the Triton one, the same
+  logits and softmax in another kernel: out within a few 16-bit roundings, lse
+  within float32 rounding of the logits."""
+  args, extra, options = _arguments(*shape_class)
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in args)
+  inputs = {}
+  if "segment_ids" in extra:
+    inputs["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=extra["segment_ids"].shape)),
+                                        jnp.int32)
+  if "temperature" in extra:
+    inputs["temperature"] = jnp.asarray(rng.uniform(0.5, 2.0, size=extra["temperature"].shape),
+                                        jnp.float32)
+  run = lambda backend: ua_kernels.attention(q, k, v, return_lse=True,
+                                             config=KernelConfig(backend=backend),
+                                             **options, **inputs)
+  (out_m, lse_m), (out_t, lse_t) = run("mosaic"), run("triton")
+  eps = float(jnp.finfo(q.dtype).eps)
+  np.testing.assert_allclose(np.asarray(out_m, np.float32), np.asarray(out_t, np.float32),
+                             atol=4 * eps * float(jnp.max(jnp.abs(v))), rtol=0)
+  np.testing.assert_allclose(np.asarray(lse_m), np.asarray(lse_t), rtol=1e-5, atol=1e-5)
