@@ -39,7 +39,6 @@ tanh, float32 (the Mosaic kernel only runs bf16/f16 MMAs: f32 is either rejected
 from __future__ import annotations
 
 import functools
-import math
 import sys
 import types
 

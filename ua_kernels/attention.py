@@ -19,6 +19,7 @@ from ua_reference.contract import StaticSpec, validate
 
 from . import cap_forms, fast_math, kernels, mosaic_forward
 from .kernel_config import KernelConfig
+from .padding import pad as _pad
 from .tile_math import LN2
 from .tuned_configs import default_config
 
@@ -39,15 +40,6 @@ def _layout(spec: StaticSpec, config: KernelConfig):
   biggest = max(blocks.values())
   seq_pad = -(-spec.seq_len // biggest) * biggest
   return head_dim, seq_pad, blocks
-
-
-def _pad(x, axis_sizes):
-  pads = [(0, 0)] * x.ndim
-  for axis, size in axis_sizes.items():
-    pads[axis] = (0, size - x.shape[axis])
-  if all(p == (0, 0) for p in pads):
-    return x
-  return jnp.pad(x, pads)
 
 
 # Largest cap parameter evaluated with a fast form (_fast_cap).

@@ -27,7 +27,6 @@ backward runs on this forward's residuals unchanged.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import math
 
@@ -40,6 +39,7 @@ from ua_reference.contract import StaticSpec
 
 from . import fast_math
 from .kernel_config import MosaicTiles
+from .padding import pad
 from .softmax_state import SoftmaxState
 from .tile_math import along_rows, fixed_shift, kv_block_range, kv_tiles, scores_to_logits, \
     visible_mask
@@ -89,7 +89,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
   ``seg`` [B, T] int32 or None; ``temp`` [B, T, Hq] float32 or None."""
   plgpu = _plgpu()
   b, t, hq, d = q.shape
-  hkv, group = spec.num_kv_heads, spec.group_size
+  group = spec.group_size
   dtype = q.dtype
   block_q = tiles.block_q
   head_dim = -(-d // 64) * 64
@@ -101,18 +101,15 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
   num_kv = seq_pad // block_kv
   stages = min(tiles.stages, num_kv)
 
-  def pad(x, axis_sizes):
-    pads = [(0, 0)] * x.ndim
-    for axis, size in axis_sizes.items():
-      pads[axis] = (0, size - x.shape[axis])
-    return x if all(p == (0, 0) for p in pads) else jnp.pad(x, pads)
-
   q, k, v = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
   has_seg, has_temp = seg is not None, temp is not None
   seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)
   temp = (pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad}) if has_temp
           else jnp.zeros((b, hq, seq_pad), jnp.float32))
   shift = fixed_shift(spec, dtype, has_temp)
+  # kv_tiles/kv_block_range count tiles over the padded length; masks use
+  # spec's own seq_len (visible_mask's padded flag hides the padding).
+  spec_padded = dataclasses.replace(spec, seq_len=seq_pad)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
 
@@ -238,9 +235,6 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
 
         plgpu.copy_gmem_to_smem(v_ref.at[rows_of], v_smem.at[s], v_loaded.at[s])
 
-  # kv_tiles/kv_block_range count tiles over the padded length; masks use
-  # spec's own seq_len (visible_mask's padded flag hides the padding).
-  spec_padded = dataclasses.replace(spec, seq_len=seq_pad)
   swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   scratch = [
       plgpu.SMEM((2, block_q, head_dim), dtype, transforms=swizzled),
