@@ -101,3 +101,23 @@ def test_the_report_counts_a_replayed_case_once():
   assert report["feature_groups"]["causal"] == {"cases": 2, "failures": 1, "harness_errors": 0,
                                                 "worst_ratio": 2.7, "seconds": 2.0}
   assert len(report["failures"]) == 1 and report["oracle_cases_per_minute"] == 2.0
+
+
+def test_more_oracle_chunks_come_after_every_other_test():
+  """--ua-oracle-chunks (ua-verify --oracle-chunks, 100 under --minutes): the
+  profile's own tests first and unchanged (a short time box still reaches every
+  property), then more tests of the oracle properties, one per dtype and
+  chunk, each its own Hypothesis seed (a distinct chunk id)."""
+  from properties.plugin import property_tests
+  from properties.profiles import PROFILES
+
+  gpu = PROFILES["gpu"]
+  own = property_tests(gpu)
+  more = property_tests(gpu, 12)
+  assert [t.id for t in more[:len(own)]] == [t.id for t in own]
+  extra = more[len(own):]
+  assert extra and all(registry.get(t.property).oracle and t.chunk >= gpu.oracle_chunks
+                       for t in extra)
+  assert {t.chunk for t in extra} == {10, 11}
+  assert len({t.id for t in more}) == len(more)
+  assert property_tests(gpu, 3) == own  # fewer than the profile's: the profile's
