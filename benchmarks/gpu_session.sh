@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: compiled smoke check, the suite's GPU campaign, and ua-bench.
+# One device call: compiled smoke check and kernel tests, the suite's GPU campaign
+# (ua_kernels:attention as it dispatches, then the Mosaic backend forced), and ua-bench.
 # Usage (on the GPU machine, from the repository root, package installed):
 #   bash benchmarks/gpu_session.sh OUTDIR [campaign_minutes] [bench_set]
 set -uo pipefail
@@ -8,9 +9,14 @@ export PYTHONUNBUFFERED=1
 # Provenance first (commit, versions, GPU, date), as ua-bench writes it into bench.json.
 python3 -c "import json; from benchmarks.bench import provenance; print(json.dumps(provenance()))"
 timeout 300 python3 -m benchmarks.gpu_smoke 2>&1 | tee $out/smoke.log
+timeout 300 python3 -m pytest -q tests/test_mosaic.py 2>&1 | tail -15 | tee $out/test_mosaic.log
 if [ "$minutes" != 0 ]; then
-  timeout $(( ${minutes%.*} * 60 + 240 )) ua-verify --profile gpu --gpus 1 --minutes "$minutes" \
-    --failures $out/failures --report $out/campaign.json 2>&1 | tail -60 | tee $out/campaign.log
+  for impl in ua_kernels:attention ua_kernels.backends:mosaic_attention; do
+    name=${impl//[:.]/-}
+    timeout $(( ${minutes%.*} * 60 + 240 )) ua-verify --impl $impl --profile gpu --gpus 1 \
+      --workers-per-gpu 8 --minutes "$minutes" --failures $out/failures-$name \
+      --report $out/campaign-$name.json 2>&1 | tail -60 | tee $out/campaign-$name.log
+  done
 fi
 timeout 400 python3 -m benchmarks.bench --set "$bench" --repeats 7 --json $out/bench.json 2>&1 \
   | grep -v -i warn | tee $out/bench.log
