@@ -161,3 +161,22 @@ def test_mosaic_forward_matches_triton_forward(shape_class):
   np.testing.assert_allclose(np.asarray(out_m, np.float32), np.asarray(out_t, np.float32),
                              atol=4 * eps * float(jnp.max(jnp.abs(v))), rtol=0)
   np.testing.assert_allclose(np.asarray(lse_m), np.asarray(lse_t), rtol=1e-5, atol=1e-5)
+
+
+def test_backend_implementations_declare_what_they_run():
+  """ua_kernels.backends as the suite loads them: the Mosaic one 16-bit and
+  head dims up to 256 only; the Triton one everything, its config forced to
+  Triton; on this CPU the Triton one computes what the dispatching op does."""
+  from properties.capabilities import load_impl
+
+  mosaic = load_impl("ua_kernels.backends:mosaic_attention")
+  assert mosaic.dtypes == ("bfloat16", "float16")
+  assert mosaic.head_dims(256) and not mosaic.head_dims(320)
+  triton = load_impl("ua_kernels.backends:triton_attention")
+  assert set(triton.dtypes) == {"float32", "bfloat16", "float16"}
+  assert triton.config(16, 32).backend == "triton"
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 40, 2, 32)), jnp.float32) for _ in range(3))
+  from ua_kernels.backends import triton_attention
+  np.testing.assert_array_equal(np.asarray(triton_attention(q, k, v, causal=True)),
+                                np.asarray(ua_kernels.attention(q, k, v, causal=True)))
