@@ -86,12 +86,9 @@ def floors(case, inputs: dict, oracle: dict, lse_max: float) -> dict[str, float]
   (those within a few units of their row's lse), and a one-ulp difference from
   the forward's makes p off by that relative amount.
   """
-  row_norm = lambda x: float(np.max(np.linalg.norm(_as64(x), axis=-1), initial=0.0))
-  sm = abs(case.sm_scale if case.sm_scale is not None else case.head_dim ** -0.5)
-  temp = 1.0 if inputs["temperature"] is None else _absmax(inputs["temperature"])
   dlse = _absmax(inputs["dlse"]) if case.return_lse else 0.0
-  dp = row_norm(inputs["dout"]) * row_norm(inputs["v"])
-  ds = temp * sm * (2 * dp + dlse + case.z_loss_weight * lse_max)
+  dp = _row_norm(inputs["dout"]) * _row_norm(inputs["v"])
+  ds = _logit_scale(case, inputs) * (2 * dp + dlse + case.z_loss_weight * lse_max)
   terms = {"out": _absmax(inputs["v"]), "lse": 1.0, "dv": _absmax(inputs["dout"]),
            "dq": ds * _absmax(inputs["k"]), "dk": ds * _absmax(inputs["q"])}
   out = {}
@@ -116,10 +113,19 @@ def logit_terms(case, inputs: dict) -> float:
   (4 ulps) of this sum is below the probabilistic bound of a D-term dot,
   sqrt(D) * u * sum |q_d k_d| (Higham & Mary 2019), for D >= 16.
   docs/TOLERANCES.md, "lse floor"."""
-  row_norm = lambda x: float(np.max(np.linalg.norm(_as64(x), axis=-1), initial=0.0))
+  return _logit_scale(case, inputs) * _row_norm(inputs["q"]) * _row_norm(inputs["k"])
+
+
+def _row_norm(x) -> float:
+  """The largest Euclidean norm of a row (the last axis) of x."""
+  return float(np.max(np.linalg.norm(_as64(x), axis=-1), initial=0.0))
+
+
+def _logit_scale(case, inputs: dict) -> float:
+  """|temperature| * |sm_scale|: what multiplies q.k into a logit, at most."""
   sm = abs(case.sm_scale if case.sm_scale is not None else case.head_dim ** -0.5)
   temp = 1.0 if inputs["temperature"] is None else _absmax(inputs["temperature"])
-  return temp * sm * row_norm(inputs["q"]) * row_norm(inputs["k"])
+  return temp * sm
 
 
 def reference_error(ref, oracle) -> float:

@@ -41,7 +41,7 @@ from . import fast_math
 from .kernel_config import MosaicTiles
 from .padding import pad
 from .softmax_state import SoftmaxState
-from .tile_math import along_rows, fixed_shift, kv_block_range, kv_tiles, scores_to_logits, \
+from .tile_math import fixed_shift, kv_block_range, kv_tiles, scores_to_logits, tile_loop, \
     visible_mask
 
 # bfloat16 and float16: wgmma's 16-bit operands (float32 stays on Triton).
@@ -175,7 +175,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
           mask = visible_mask(spec, q_pos, k_pos, q_seg, k_seg, padded=padded)
         logits = scores_to_logits(spec, scores, q_temp, mask, fast_cap)
         m, l, correction, p = state.step(logits, shift)
-        acc = state.acc if correction is None else along_rows(correction, state.acc) * state.acc
+        acc = state.rescaled_acc(correction)
         p = p.astype(dtype)
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_loaded.at[s])
@@ -196,13 +196,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       lo, full_lo, full_hi, hi = kv_tiles(spec_padded, q_start, block_q, block_kv, padded)
       pl.when(wg == 1)(schedule_sync)
       state = lax.fori_loop(cta_lo, lo, drain, state)
-      masked = lambda kb, c: visit(kb, c, True)
-      if full_lo is None:
-        state = lax.fori_loop(lo, hi, masked, state)
-      else:
-        state = lax.fori_loop(lo, full_lo, masked, state)
-        state = lax.fori_loop(full_lo, full_hi, lambda kb, c: visit(kb, c, False), state)
-        state = lax.fori_loop(full_hi, hi, masked, state)
+      state = tile_loop((lo, full_lo, full_hi, hi), visit, state)
       state = lax.fori_loop(hi, cta_hi, drain, state)
       pl.when(wg == 0)(schedule_sync)
 

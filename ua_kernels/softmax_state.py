@@ -50,8 +50,11 @@ class SoftmaxState(NamedTuple):
              ) -> "SoftmaxState":
     """Folds in one key tile: its masked logits (-inf where hidden), values."""
     m, l, correction, p = self.step(logits, fixed_shift)
-    acc = self.acc if correction is None else along_rows(correction, self.acc) * self.acc
-    return SoftmaxState(m, l, acc + dot(p.astype(v.dtype), v))
+    return SoftmaxState(m, l, self.rescaled_acc(correction) + dot(p.astype(v.dtype), v))
+
+  def rescaled_acc(self, correction):
+    """The accumulator times step's per-row correction (None: unchanged)."""
+    return self.acc if correction is None else along_rows(correction, self.acc) * self.acc
 
   def finalize(self) -> tuple[jax.Array, jax.Array]:
     """Returns (out, lse2), lse2 the log-sum-exp in base 2 (what the backward
