@@ -2,7 +2,8 @@
 
 For each (head dim, masking, cap) it times the forward over forward tilings,
 then (unless --fwd-only) forward+backward over backward tilings with the best
-forward. Candidates of one sweep are timed round-robin (bench.time_interleaved),
+forward. ``--backend mosaic`` sweeps the Mosaic GPU kernels' MosaicTiles
+instead (Hopper only). Candidates of one sweep are timed round-robin (bench.time_interleaved),
 so their ranking survives clock drift. ua_kernels/tuned_configs.py records the
 winners. The JSON holds bench.provenance()'s fields (commit, command, versions,
 GPU, date) and "rows", the best configuration per shape.
@@ -17,13 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 
 import ua_kernels
-from ua_kernels import KernelConfig
+from ua_kernels import KernelConfig, MosaicTiles
 from benchmarks.bench import _fwd_bwd, provenance, time_interleaved
 
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2),
        (64, 128, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3)]
 BWD = [(64, 64, 64, 64, 8, 2), (64, 64, 64, 64, 4, 2), (128, 64, 64, 128, 8, 2),
        (32, 64, 64, 32, 4, 2), (64, 128, 128, 64, 8, 2), (32, 32, 32, 32, 4, 2)]
+# MosaicTiles: (block_q, block_kv, stages) of the forward; (block_q_dq,
+# block_kv_dq, block_q_dkv, block_kv_dkv, stages_bwd) of the backward. Larger
+# backward tiles need more than the 232 registers per thread of a compute
+# warpgroup at head dim 128 (dk and dv alone take 128 for 64 keys).
+MOSAIC_FWD = [(64, None, 2), (64, 128, 3), (64, 64, 2), (64, 256, 2)]
+MOSAIC_BWD = [(64, 64, 64, 64, 2), (64, 128, 64, 64, 2), (64, 64, 64, 64, 3),
+              (64, 128, 64, 64, 3), (64, 64, 128, 64, 2)]
 # (head dim, causal, tanh cap)
 SHAPES = [(128, False, 0.0), (128, True, 0.0), (128, False, 30.0), (128, True, 30.0),
           (64, True, 0.0), (256, True, 0.0)]
@@ -50,6 +58,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--head-dims", default="64,128,256")
   parser.add_argument("--fwd-only", action="store_true")
+  parser.add_argument("--backend", default="triton", choices=("triton", "mosaic"))
   args = parser.parse_args()
   header = provenance()
   dims = {int(d) for d in args.head_dims.split(",")}
@@ -64,16 +73,26 @@ def main():
     def attention_with(cfg):
       return lambda q, k, v: ua_kernels.attention(q, k, v, config=cfg, **kw)
 
-    fwd_cfgs = {_label(c): KernelConfig(block_q=c[0], block_kv=c[1], num_warps=c[2],
-                                        num_stages=c[3]) for c in FWD}
+    if args.backend == "mosaic":
+      fwd_cfgs = {_label(c): KernelConfig(backend="mosaic", mosaic=MosaicTiles(
+          block_q=c[0], block_kv=c[1], stages=c[2])) for c in MOSAIC_FWD}
+    else:
+      fwd_cfgs = {_label(c): KernelConfig(block_q=c[0], block_kv=c[1], num_warps=c[2],
+                                          num_stages=c[3]) for c in FWD}
     best, best_ms = _report_best(f"{name} fwd", time_interleaved(
         {n: jax.jit(attention_with(c)) for n, c in fwd_cfgs.items()}, (q, k, v), args.repeats))
     row = {"head_dim": d, "causal": causal, "cap": cap, "fwd_ms": best_ms,
            "config": dataclasses.asdict(fwd_cfgs[best])}
     if not args.fwd_only:
-      bwd_cfgs = {_label(c): dataclasses.replace(
-          fwd_cfgs[best], block_q_dq=c[0], block_kv_dq=c[1], block_q_dkv=c[2], block_kv_dkv=c[3],
-          num_warps_bwd=c[4], num_stages_bwd=c[5]) for c in BWD}
+      if args.backend == "mosaic":
+        forward_tiles = fwd_cfgs[best].mosaic
+        bwd_cfgs = {_label(c): dataclasses.replace(fwd_cfgs[best], mosaic=dataclasses.replace(
+            forward_tiles, block_q_dq=c[0], block_kv_dq=c[1], block_q_dkv=c[2],
+            block_kv_dkv=c[3], stages_bwd=c[4])) for c in MOSAIC_BWD}
+      else:
+        bwd_cfgs = {_label(c): dataclasses.replace(
+            fwd_cfgs[best], block_q_dq=c[0], block_kv_dq=c[1], block_q_dkv=c[2],
+            block_kv_dkv=c[3], num_warps_bwd=c[4], num_stages_bwd=c[5]) for c in BWD}
       best_b, best_b_ms = _report_best(f"{name} fwd+bwd", time_interleaved(
           {n: _fwd_bwd(attention_with(c)) for n, c in bwd_cfgs.items()}, (q, k, v),
           args.repeats))

@@ -1,7 +1,7 @@
-"""The Mosaic GPU forward (ua_kernels/mosaic_forward.py).
+"""The Mosaic GPU kernels (ua_kernels/mosaic_forward.py, mosaic_backward.py).
 
-Its numerics need a Hopper GPU: there the kernel tests below compare it with
-the Triton forward, and the suite verifies it as its own implementation
+Their numerics need a Hopper GPU: there the kernel tests below compare them
+with the Triton kernels, and the suite verifies them as their own implementation
 (``ua-verify --impl ua_kernels.backends:mosaic_attention --profile gpu``,
 docs/VERIFICATION.md). Without one (CI), every supported shape class is
 lowered for CUDA, through Mosaic GPU's whole lowering to its MLIR module: a
@@ -9,6 +9,7 @@ dtype, shape, layout or shared-memory error of the kernel fails here.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,8 @@ import pytest
 
 import ua_kernels
 from ua_kernels import KernelConfig, MosaicTiles
-from ua_kernels.attention import _is_hopper, forward_backend
+from ua_kernels import mosaic_backward
+from ua_kernels.attention import _is_hopper, backward_backend, forward_backend
 from ua_reference.contract import validate
 
 MOSAIC = KernelConfig(backend="mosaic")
@@ -67,18 +69,25 @@ def test_forward_lowers_for_cuda(shape_class):
   assert "ua_forward_mosaic" in text
 
 
-def test_forward_and_backward_lower_for_cuda():
-  """The Mosaic forward beside the Triton backward (the custom VJP's residuals),
-  both compiled kernels (interpret=False: not the interpreter of this CPU)."""
-  args, extra, options = _arguments(1, 256, 4, 2, 128, jnp.bfloat16,
-                                    dict(causal=True, cap_method="tanh", cap_params=(20.0,)))
+@pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}-"
+                         f"{jnp.dtype(c[5]).name}-{'-'.join(sorted(c[6])) or 'plain'}")
+def test_backward_lowers_for_cuda(shape_class):
+  """The gradient of every shape class: the Mosaic dq and dk/dv kernels up to
+  head dim 128, the Triton ones above (compiled, interpret=False: not the
+  interpreter of this CPU), after the Mosaic forward."""
+  args, extra, options = _arguments(*shape_class)
   config = dataclasses.replace(MOSAIC, interpret=False)
 
-  def loss(q, k, v):
-    return jnp.sum(ua_kernels.attention(q, k, v, config=config, **options).astype(jnp.float32))
+  def loss(q, k, v, **extra):
+    out, lse = ua_kernels.attention(q, k, v, config=config, return_lse=True, **options, **extra)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
   text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), args, extra)
-  assert "mosaic_gpu" in text and "ua_backward_dq" in text and "ua_backward_dkv" in text
+  assert "ua_forward_mosaic" in text
+  on_mosaic = shape_class[4] <= mosaic_backward.MAX_HEAD_DIM
+  for kernel in ("ua_backward_dq", "ua_backward_dkv"):
+    assert (f"{kernel}_mosaic" in text) == on_mosaic
+    assert kernel in text
 
 
 def test_shared_memory_overflow_is_a_lowering_error():
@@ -99,6 +108,10 @@ def test_dispatch():
   spec = _spec()
   assert forward_backend(spec, KernelConfig(backend="triton"), jnp.bfloat16) == "triton"
   assert forward_backend(spec, MOSAIC, jnp.bfloat16) == "mosaic"
+  # The backward follows the forward, up to the Mosaic backward's head dims.
+  assert backward_backend(spec, MOSAIC, jnp.bfloat16) == "mosaic"
+  assert backward_backend(_spec(d=192), MOSAIC, jnp.bfloat16) == "triton"
+  assert backward_backend(spec, KernelConfig(backend="triton"), jnp.bfloat16) == "triton"
   # Without a Hopper GPU (here: the interpreter) "auto" is Triton.
   if not _is_hopper():
     assert forward_backend(spec, KernelConfig(), jnp.bfloat16) == "triton"
@@ -124,7 +137,9 @@ def test_forcing_mosaic_in_the_interpreter_is_an_error():
 
 
 @pytest.mark.parametrize("field, value", [("block_q", 32), ("block_q", 256), ("block_kv", 96),
-                                          ("stages", 1), ("block_kv", True)])
+                                          ("stages", 1), ("block_kv", True), ("stages_bwd", 1),
+                                          ("block_q_dq", 32), ("block_kv_dkv", 256),
+                                          ("block_kv_dq", 256), ("block_q_dkv", None)])
 def test_mosaic_tiles_are_validated(field, value):
   with pytest.raises(ValueError, match=f"MosaicTiles.{field}"):
     MosaicTiles(**{field: value})
@@ -137,14 +152,10 @@ def test_backend_is_validated():
     KernelConfig(mosaic=(64, 128))
 
 
-@pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
-@pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
-def test_mosaic_forward_matches_triton_forward(shape_class):
-  """Compiled on Hopper: the Mosaic forward against the Triton one, the same
-  logits and softmax in another kernel: out within a few 16-bit roundings, lse
-  within float32 rounding of the logits."""
+def _gpu_inputs(shape_class, seed=0):
+  """Concrete inputs of a shape class: (q, k, v), the keyword inputs, the options."""
   args, extra, options = _arguments(*shape_class)
-  rng = np.random.default_rng(0)
+  rng = np.random.default_rng(seed)
   q, k, v = (jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in args)
   inputs = {}
   if "segment_ids" in extra:
@@ -153,6 +164,16 @@ def test_mosaic_forward_matches_triton_forward(shape_class):
   if "temperature" in extra:
     inputs["temperature"] = jnp.asarray(rng.uniform(0.5, 2.0, size=extra["temperature"].shape),
                                         jnp.float32)
+  return (q, k, v), inputs, options
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
+@pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_mosaic_forward_matches_triton_forward(shape_class):
+  """Compiled on Hopper: the Mosaic forward against the Triton one, the same
+  logits and softmax in another kernel: out within a few 16-bit roundings, lse
+  within float32 rounding of the logits."""
+  (q, k, v), inputs, options = _gpu_inputs(shape_class)
   run = lambda backend: ua_kernels.attention(q, k, v, return_lse=True,
                                              config=KernelConfig(backend=backend),
                                              **options, **inputs)
@@ -161,6 +182,42 @@ def test_mosaic_forward_matches_triton_forward(shape_class):
   np.testing.assert_allclose(np.asarray(out_m, np.float32), np.asarray(out_t, np.float32),
                              atol=4 * eps * float(jnp.max(jnp.abs(v))), rtol=0)
   np.testing.assert_allclose(np.asarray(lse_m), np.asarray(lse_t), rtol=1e-5, atol=1e-5)
+
+
+def _gradients(fn, q, k, v, inputs, options, seed=1):
+  """dq, dk, dv of a loss that weighs out and lse by fixed random cotangents."""
+  def loss(q, k, v):
+    out, lse = fn(q, k, v, return_lse=True, **options, **inputs)
+    rng = np.random.default_rng(seed)
+    d_out = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    d_lse = jnp.asarray(rng.normal(size=lse.shape), jnp.float32)
+    return (jnp.sum(out.astype(jnp.float32) * d_out)
+            + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * d_lse))
+  return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
+@pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones(shape_class):
+  """Compiled on Hopper: each gradient of the Mosaic backend, against the
+  float32 reference, within twice the Triton backend's largest error (the same
+  math in other tile orders and roundings) plus one 16-bit rounding of the
+  gradient's scale. A wrong mask, tile range or missing term errs by the size
+  of the gradient itself."""
+  import ua_reference
+  (q, k, v), inputs, options = _gpu_inputs(shape_class)
+  upcast = [x.astype(jnp.float32) for x in (q, k, v)]
+  reference = _gradients(ua_reference.attention, *upcast, inputs, options)
+  run = lambda backend: _gradients(
+      functools.partial(ua_kernels.attention, config=KernelConfig(backend=backend)),
+      q, k, v, inputs, options)
+  mosaic, triton = run("mosaic"), run("triton")
+  eps = float(jnp.finfo(q.dtype).eps)
+  for name, m, t, r in zip(("dq", "dk", "dv"), mosaic, triton, reference):
+    m, t, r = (np.asarray(x, np.float32) for x in (m, t, r))
+    err_m, err_t = np.max(np.abs(m - r)), np.max(np.abs(t - r))
+    bound = 2 * err_t + eps * np.max(np.abs(r))
+    assert err_m <= bound, f"{name}: Mosaic error {err_m:.3g}, Triton {err_t:.3g}"
 
 
 def test_backend_implementations_declare_what_they_run():

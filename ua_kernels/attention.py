@@ -17,7 +17,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from ua_reference.contract import StaticSpec, validate
 
-from . import cap_forms, fast_math, kernels, mosaic_forward
+from . import cap_forms, fast_math, kernels, mosaic_backward, mosaic_forward
 from .kernel_config import KernelConfig
 from .padding import pad as _pad
 from .tile_math import LN2
@@ -204,15 +204,32 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
   return out[:, :t, :, :d], lse2[:, :, :t]
 
 
-def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, lse2,
-              dout, dlse):
-  b, t, hq, d = q.shape
-  hkv, group = spec.num_kv_heads, spec.group_size
-  has_key = lse2 != -jnp.inf
+def backward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
+  """"mosaic" or "triton": the kernels of the backward, the forward's backend
+  where its backward supports the call (the Mosaic one: head dims up to 128)."""
+  if (forward_backend(spec, config, dtype) == "mosaic"
+      and mosaic_backward.unsupported(spec, dtype) is None):
+    return "mosaic"
+  return "triton"
+
+
+def _delta(spec: StaticSpec, out, dout, lse2, dlse):
+  """[B, Hq, T] float32: rowsum(dO * O) - dlse - w * lse, 0 on rows without a
+  visible key (lse2 = -inf), the one per-row term of d logits = p * (dp - delta)."""
   lse = lse2 * LN2
   delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
                      dout.astype(jnp.float32)) - dlse - spec.z_loss_weight * lse
-  delta = jnp.where(has_key, delta, 0.0)
+  return jnp.where(lse2 != -jnp.inf, delta, 0.0)
+
+
+def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, lse2,
+              dout, dlse):
+  delta = _delta(spec, out, dout, lse2, dlse)
+  if backward_backend(spec, config, q.dtype) == "mosaic":
+    return mosaic_backward.backward(spec, config.mosaic, q, k, v, seg, temp, lse2, delta, dout,
+                                    fast_cap=_fast_cap(spec, q.dtype))
+  b, t, hq, d = q.shape
+  hkv, group = spec.num_kv_heads, spec.group_size
   q, k, v, seg, spans, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg,
                                                                    temp)
   dout = _pad(dout, {1: seq_pad, 3: head_dim})

@@ -12,7 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from . import cap_forms, mosaic_forward
+from . import cap_forms, mosaic_common, mosaic_forward
 from .attention import SUPPORTED_DTYPES, _config_for_tiles, attention
 from .kernel_config import KernelConfig
 from .tuned_configs import default_config
@@ -29,8 +29,9 @@ def _forced(backend: str, q, k, v, config, kwargs):
 
 
 def mosaic_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
-  """ua_kernels.attention with the forward on Pallas Mosaic GPU (Hopper only;
-  bfloat16/float16, head dims up to 256); the backward on Pallas-Triton."""
+  """ua_kernels.attention on Pallas Mosaic GPU (Hopper only; bfloat16/float16):
+  the forward for head dims up to 256, the backward up to 128 (above, the
+  backward runs on Pallas-Triton)."""
   return _forced("mosaic", q, k, v, config, kwargs)
 
 
@@ -40,10 +41,10 @@ def triton_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
   return _forced("triton", q, k, v, config, kwargs)
 
 
-mosaic_attention.ua_dtypes = tuple(jnp.dtype(d).name for d in mosaic_forward.DTYPES)
+mosaic_attention.ua_dtypes = tuple(jnp.dtype(d).name for d in mosaic_common.DTYPES)
 mosaic_attention.ua_head_dims = lambda d: d <= mosaic_forward.MAX_HEAD_DIM
-# A program's 2 x 64 query rows, key tiles of 128 (64 at head dims over 128),
-# and the backward's Triton tiles.
+# A forward program's 2 x 64 query rows, key tiles of 128 (64 at head dims
+# over 128); the backward's tiles of 64.
 mosaic_attention.ua_block_sizes = (64, 128)
 mosaic_attention.ua_cap_forms = cap_forms.fast_forms
 

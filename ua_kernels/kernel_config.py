@@ -10,23 +10,36 @@ BACKENDS = ("auto", "triton", "mosaic")
 
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
-  """Tiles of the Mosaic forward. ``block_q``: query rows per compute
-  warpgroup (a program owns two such blocks); ``block_kv``: keys per tile
-  (None: 128 up to head dim 128, else 64, what fits two stages of K and V in
-  shared memory at head dim 256); ``stages``: slots of the K/V ring."""
+  """Tiles of the Mosaic GPU kernels, whose programs each have two compute
+  warpgroups. Forward: ``block_q`` query rows per compute warpgroup (a program
+  owns two such blocks); ``block_kv`` keys per streamed tile (None: 128 up to
+  head dim 128, else 64, what fits two stages of K and V in shared memory at
+  head dim 256); ``stages``: slots of the K/V ring. Backward: the dq kernel
+  owns ``block_q_dq`` query rows per warpgroup and streams ``block_kv_dq``
+  keys; the dk/dv kernel owns ``block_kv_dkv`` keys per warpgroup and streams
+  ``block_q_dkv`` queries; both with rings of ``stages_bwd`` slots."""
 
   block_q: int = 64
   block_kv: int | None = None
   stages: int = 2
+  block_q_dq: int = 64
+  block_kv_dq: int = 64
+  block_q_dkv: int = 64
+  block_kv_dkv: int = 64
+  stages_bwd: int = 2
 
   def __post_init__(self):
-    for name, allowed in (("block_q", (64, 128)), ("block_kv", (None, 64, 128, 256))):
+    for name, allowed in (("block_q", (64, 128)), ("block_kv", (None, 64, 128, 256)),
+                          ("block_q_dq", (64, 128)), ("block_kv_dq", (64, 128)),
+                          ("block_q_dkv", (64, 128)), ("block_kv_dkv", (64, 128))):
       value = getattr(self, name)
       if isinstance(value, bool) or value not in allowed:
         raise ValueError(f"MosaicTiles.{name} must be one of {allowed} (wgmma tiles), "
                          f"got {value!r}")
-    if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
-      raise ValueError(f"MosaicTiles.stages must be an int >= 2, got {self.stages!r}")
+    for name in ("stages", "stages_bwd"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(f"MosaicTiles.{name} must be an int >= 2, got {value!r}")
 
   def key_block(self, head_dim: int) -> int:
     if self.block_kv is not None:
@@ -46,7 +59,9 @@ class KernelConfig:
   ``mosaic``) on Hopper for what it supports (ua_kernels.mosaic_forward) and
   runs faster (not packed documents: attention.forward_backend), and
   Pallas-Triton elsewhere; "triton" and "mosaic" force one (forcing Mosaic for
-  a call it cannot run is an error). The backward runs on Pallas-Triton.
+  a call it cannot run is an error). The backward runs on the forward's
+  backend where that backend's backward supports the call
+  (ua_kernels.mosaic_backward), else on Pallas-Triton.
   """
 
   block_q: int = 64

@@ -19,7 +19,8 @@ from ua_reference.contract import StaticSpec
 
 from .softmax_state import SoftmaxState
 from .tile_math import (dot, fixed_shift, kv_tiles, logits_grad, matmul_operand, positions,
-                        probabilities, q_tiles, tile_logits, tile_loop, visible_mask)
+                        probabilities, q_tiles, scaled_back, tile_logits, tile_loop,
+                        visible_mask)
 
 
 def _segment_tile(seg_ref, start, size):
@@ -107,7 +108,7 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref
     ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)
     ds16, back = matmul_operand(ds, k.dtype, axis=1)
     term = dot(ds16, k)
-    return dq + (term if back is None else term * back[:, None])
+    return dq + scaled_back(term, back)
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
                    _segment_span(span_ref, qt.start, block_q))
@@ -163,7 +164,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
     ds = logits_grad(spec, p, dp, delta, logits, temp, fast_cap)
     ds16, back = matmul_operand(ds, q.dtype, axis=0)
     term = dot(ds16, q, trans_a=True)
-    dk = dk + (term if back is None else term * back[:, None])
+    dk = dk + scaled_back(term, back)
     return dk, dv
 
   zeros = (jnp.zeros(k.shape, jnp.float32),) * 2

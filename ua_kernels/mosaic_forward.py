@@ -27,8 +27,6 @@ backward runs on this forward's residuals unchanged.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,66 +35,39 @@ from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
 
-from . import fast_math
+from . import fast_math, mosaic_common
+from .mosaic_common import load_vector
 from .kernel_config import MosaicTiles
 from .padding import pad
 from .softmax_state import SoftmaxState
 from .tile_math import fixed_shift, kv_block_range, kv_tiles, scores_to_logits, tile_loop, \
     visible_mask
 
-# bfloat16 and float16: wgmma's 16-bit operands (float32 stays on Triton).
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Head dims are padded to a multiple of 64 (one 128-byte swizzled row of
-# 16-bit values); 256 is the largest whose tiles fit the shared memory.
+# 256 is the largest head dim whose tiles fit the shared memory.
 MAX_HEAD_DIM = 256
 
 
 def unsupported(spec: StaticSpec, dtype) -> str | None:
   """Why the Mosaic forward cannot run this call (None: it can)."""
-  if jnp.dtype(dtype) not in DTYPES:
-    return f"the Mosaic backend takes bfloat16 and float16, not {jnp.dtype(dtype).name}"
+  if why := mosaic_common.dtype_error(dtype):
+    return why
   if spec.head_dim > MAX_HEAD_DIM:
     return f"the Mosaic backend takes head dims up to {MAX_HEAD_DIM}, not {spec.head_dim}"
   return None
 
 
-def _plgpu():
-  # Imported when first used: Mosaic GPU's Python modules load MLIR bindings
-  # (and, under jax 0.10, absl), which nothing else of the package needs.
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  return plgpu
-
-
-def _load_vector(plgpu, ref, layout):
-  """plgpu.load of a whole 1-D ref: jax 0.10 requires the index argument,
-  0.11 deprecates it."""
-  if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-    return plgpu.load(ref, (), layout=layout, optimized=False)
-  return plgpu.load(ref, layout=layout, optimized=False)
-
-
-def _approx_math(spec: StaticSpec, fast_cap: bool) -> bool:
-  """Whether the kernel is built with approx_math, which makes every exp2,
-  log and tanh of the kernel an ``.approx`` instruction: without a cap (the
-  softmax's exp2 is the Triton kernels' ex2.approx too) or with the caps'
-  fast forms (bfloat16). Exact caps (float16; caps above FAST_CAP_MAX_PARAM)
-  keep accurate transcendentals."""
-  return spec.cap_method == "none" or fast_cap
-
-
 def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_cap: bool):
   """(out [B, T, Hq, D], lse2 [B, Hq, T] base 2) of the unpadded inputs;
   ``seg`` [B, T] int32 or None; ``temp`` [B, T, Hq] float32 or None."""
-  plgpu = _plgpu()
+  plgpu = mosaic_common.plgpu()
   b, t, hq, d = q.shape
   group = spec.group_size
   dtype = q.dtype
   block_q = tiles.block_q
-  head_dim = -(-d // 64) * 64
+  head_dim = mosaic_common.padded_head_dim(d)
   block_kv = tiles.key_block(head_dim)
   rows = 2 * block_q
-  step = rows * block_kv // math.gcd(rows, block_kv)
-  seq_pad = -(-t // step) * step
+  seq_pad = mosaic_common.padded_length(t, rows, block_kv)
   padded = seq_pad != t
   num_kv = seq_pad // block_kv
   stages = min(tiles.stages, num_kv)
@@ -137,9 +108,9 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       q_start = tile * rows + wg * block_q
       plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, block_q), h], q_smem,
                               q_loaded.at[wg])
-      q_seg = (_load_vector(plgpu, seg_ref.at[bi, pl.ds(q_start, block_q)], row_layout)
+      q_seg = (load_vector(seg_ref.at[bi, pl.ds(q_start, block_q)], row_layout)
                if has_seg else None)
-      q_temp = (_load_vector(plgpu, temp_ref.at[bi, h, pl.ds(q_start, block_q)], row_layout)
+      q_temp = (load_vector(temp_ref.at[bi, h, pl.ds(q_start, block_q)], row_layout)
                 if has_temp else None)
       plgpu.barrier_wait(q_loaded.at[wg])
 
@@ -170,7 +141,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
           q_pos = q_start + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
           k_pos = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                           layout=plgpu.Layout.WGMMA)
-          k_seg = (_load_vector(plgpu, seg_ref.at[bi, pl.ds(kb * block_kv, block_kv)],
+          k_seg = (load_vector(seg_ref.at[bi, pl.ds(kb * block_kv, block_kv)],
                                 col_layout) if has_seg else None)
           mask = visible_mask(spec, q_pos, k_pos, q_seg, k_seg, padded=padded)
         logits = scores_to_logits(spec, scores, q_temp, mask, fast_cap)
@@ -229,7 +200,15 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
 
         plgpu.copy_gmem_to_smem(v_ref.at[rows_of], v_smem.at[s], v_loaded.at[s])
 
-  swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+      # Observe the last release of every slot: a barrier's final phase is
+      # waited for by each thread that waits on it (Mosaic's interpreter
+      # checks this), at no cost, after the last copy.
+      @pl.loop(jnp.maximum(cta_hi - stages, cta_lo), cta_hi)
+      def _(kb):
+        plgpu.barrier_wait(k_free.at[slot(kb)])
+        plgpu.barrier_wait(v_free.at[slot(kb)])
+
+  swizzled = mosaic_common.swizzled()
   scratch = [
       plgpu.SMEM((2, block_q, head_dim), dtype, transforms=swizzled),
       plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=swizzled),
@@ -242,7 +221,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2),
   ]
-  params = plgpu.CompilerParams(approx_math=_approx_math(spec, fast_cap),
+  params = plgpu.CompilerParams(approx_math=mosaic_common.approx_math(spec, fast_cap),
                                 lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
   call = plgpu.kernel(
       kernel,

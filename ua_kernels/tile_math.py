@@ -53,26 +53,43 @@ def along_cols(x, like):
   return lax.broadcast_in_dim(x, like.shape, (1,))
 
 
+def along_queries(x, like, query_axis: int):
+  """A per-query vector broadcast to the tile ``like``, whose queries lie
+  along ``query_axis`` (Logits.query_axis)."""
+  return lax.broadcast_in_dim(x, like.shape, (query_axis,))
+
+
 def _tile_grid(x, shape, axis):
   """A per-row (axis 0) or per-column (axis 1) vector as a ``shape`` tile; a
   tile already (Mosaic builds its positions with a layout) passes through."""
   return x if x.ndim == 2 else lax.broadcast_in_dim(x, shape, (axis,))
 
 
-def visible_mask(spec: StaticSpec, q_pos, k_pos, q_seg, k_seg, *, padded: bool):
-  """[block_q, block_kv] bool: key j visible to query i; None if all visible.
+def visible_mask(spec: StaticSpec, q_pos, k_pos, q_seg, k_seg, *, padded: bool,
+                 query_axis: int = 0):
+  """bool tile: key j visible to query i; None if all visible.
 
-  Positions and segment ids come as vectors (query ones per row, key ones per
-  column) or as whole tiles. ``padded`` says the sequence was padded to a
-  block multiple, so positions >= seq_len (queries and keys) are hidden too.
+  Positions and segment ids come as vectors or as whole tiles. The tile holds
+  queries along ``query_axis`` ([block_q, block_kv] for 0; the dk/dv kernel of
+  the Mosaic backend scores keys against queries, [block_kv, block_q], for 1).
+  ``padded`` says the sequence was padded to a block multiple, so positions
+  >= seq_len (queries and keys) are hidden too.
   """
-  shape = (q_pos.shape[0], k_pos.shape[-1])
-  q_pos, k_pos = _tile_grid(q_pos, shape, 0), _tile_grid(k_pos, shape, 1)
+  key_axis = 1 - query_axis
+  if q_pos.ndim == 2:
+    shape = q_pos.shape
+  elif k_pos.ndim == 2:
+    shape = k_pos.shape
+  else:
+    shape = [0, 0]
+    shape[query_axis], shape[key_axis] = q_pos.shape[0], k_pos.shape[0]
+    shape = tuple(shape)
+  q_pos, k_pos = _tile_grid(q_pos, shape, query_axis), _tile_grid(k_pos, shape, key_axis)
   conditions = []
   if padded:
     conditions.append((q_pos < spec.seq_len) & (k_pos < spec.seq_len))
   if q_seg is not None:
-    conditions.append(_tile_grid(q_seg, shape, 0) == _tile_grid(k_seg, shape, 1))
+    conditions.append(_tile_grid(q_seg, shape, query_axis) == _tile_grid(k_seg, shape, key_axis))
   if spec.causal:
     conditions.append(k_pos <= q_pos)
   if spec.window_len > 0:
@@ -92,13 +109,16 @@ class Logits(NamedTuple):
   argument (``exp2(scores * scale - m)`` is one fused multiply-add), so the
   row max is taken on ``scores`` and no separate multiply pass is spent.
   The cap was evaluated as ``cap(cap_arg, *cap_params)``; its derivative needs
-  the same (cap_arg is None without a cap).
+  the same (cap_arg is None without a cap). ``query_axis``: the tile's axis of
+  queries (0: [block_q, block_kv]; 1: keys scored against queries), along
+  which per-query vectors (lse, delta, temperature) broadcast.
   """
 
   scores: jax.Array
   scale: float
   cap_arg: jax.Array | None
   cap_params: tuple[float, ...]
+  query_axis: int = 0
 
 
 def _cap_fold(spec: StaticSpec) -> tuple[float, float, tuple[float, ...]]:
@@ -144,11 +164,13 @@ def tile_logits(spec: StaticSpec, q, k, temp, mask, fast_cap: bool) -> Logits:
   return scores_to_logits(spec, dot(q, k, trans_b=True), temp, mask, fast_cap)
 
 
-def scores_to_logits(spec: StaticSpec, qk, temp, mask, fast_cap: bool) -> Logits:
+def scores_to_logits(spec: StaticSpec, qk, temp, mask, fast_cap: bool,
+                     query_axis: int = 0) -> Logits:
   """The contract's logits (capped, then temperature-scaled) of the float32
   scores q.k, masked to -inf where hidden. ``fast_cap`` selects the cap's fast
   form (bfloat16; cap_forms). Every backend computes qk its own way (a Triton
-  dot, a Mosaic wgmma) and its logits here.
+  dot, a Mosaic wgmma) and its logits here; ``query_axis`` 1 takes the scores
+  transposed (keys by queries).
 
   A cap declared homogeneous, cap(a*x; a*p) = a*cap(x; p) for a > 0, is
   evaluated with its first parameter p0 moved out, p0 * cap(sm_scale*q.k/p0; p/p0),
@@ -165,11 +187,12 @@ def scores_to_logits(spec: StaticSpec, qk, temp, mask, fast_cap: bool) -> Logits
   if temp is not None or scale <= 0:
     # A per-row temperature (of either sign) or an sm_scale <= 0 does not
     # commute with the row max (nor -inf * 0 with the mask): multiply first.
-    scores = scores * (scale if temp is None else along_rows(temp * scale, scores))
+    scores = scores * (scale if temp is None
+                       else along_queries(temp * scale, scores, query_axis))
     scale = 1.0
   if mask is not None:
     scores = jnp.where(mask, scores, -jnp.inf)
-  return Logits(scores, scale, cap_arg, params)
+  return Logits(scores, scale, cap_arg, params, query_axis)
 
 
 def row_max(logits: Logits):
@@ -181,7 +204,7 @@ def exp2_shifted(logits: Logits, shift):
   """exp2(logits - shift), the multiply fused into the subtraction; ``shift``
   is one value per row, or a static float (fixed_shift)."""
   if not isinstance(shift, float):
-    shift = along_rows(shift, logits.scores)
+    shift = along_queries(shift, logits.scores, logits.query_axis)
   return fast_math.exp2(logits.scores * logits.scale - shift)
 
 
@@ -198,9 +221,9 @@ def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: 
   cap's hand-written derivative; sm_scale is applied here too, so callers only
   multiply by K (for dq) or Q (for dk).
   """
-  ds = p * (dp - delta[:, None])
+  ds = p * (dp - along_queries(delta, p, logits.query_axis))
   if temp is not None:
-    ds = ds * temp[:, None]
+    ds = ds * along_queries(temp, ds, logits.query_axis)
   if spec.cap_method != "none":
     _, cap_grad = forms(spec.cap, fast_cap)
     ds = ds * cap_grad(logits.cap_arg, *logits.cap_params)
@@ -231,8 +254,14 @@ def matmul_operand(ds, dtype, axis: int):
   # halves the bound on big * scale's excess (float32 ds is below 2^128).
   for k in (64, 32, 16, 8, 4, 2, 1, 0):
     scale = jnp.where(big * scale > _FLOAT16_SAFE * 2.0 ** k, scale * 2.0 ** -max(k, 1), scale)
-  scaled = ds * (scale[:, None] if axis == 1 else scale[None, :])
+  scaled = ds * lax.broadcast_in_dim(scale, ds.shape, (1 - axis,))
   return scaled.astype(dtype), 1.0 / scale
+
+
+def scaled_back(term, back):
+  """A product of matmul_operand's operand, its rows scaled back by ``back``
+  (None: unscaled)."""
+  return term if back is None else along_rows(back, term) * term
 
 
 def _div(a, b: int):

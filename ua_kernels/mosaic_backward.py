@@ -1,0 +1,356 @@
+"""The backward kernels on Pallas Mosaic GPU, for Hopper (sm90): dq, and dk/dv
+summed over a GQA group.
+
+Both have the forward's structure (ua_kernels.mosaic_forward): a program has
+two compute warpgroups, each owning one tile, and a third that only issues TMA
+copies of the streamed tiles into a ring of ``stages`` shared-memory slots. A
+slot has a "loaded" barrier per buffer (TMA arrives) and one "free" barrier
+that both compute warpgroups arrive at when done with it. A compute warpgroup
+passes over the streamed tiles outside its own range ("drain"), as in the
+forward, since a barrier's phase is tracked by each waiting thread.
+
+dq: a program owns 2 * block_q query rows of one query head and streams the
+key and value tiles of their range: s = Q K^T and dp = dO V^T by wgmma, then
+dq += ds K.
+
+dk/dv: a program owns 2 * block_kv keys of one kv head and streams, for every
+query tile of their range and every query head of the group (the group sum
+happens in registers; no repeated K/V), the tiles of Q and dO and the
+per-query rows (lse, delta, temperature) in one TMA copy. wgmma's A operand
+comes from shared memory or registers and its B from shared memory, so the
+kernel scores keys against queries, sT = K Q^T, and takes pT and dsT from
+registers for dv += pT dO and dk += dsT Q: its tiles hold queries along axis 1
+(tile_math's ``query_axis``).
+
+Every rule of the contract comes from tile_math, shared with the Triton
+kernels: scores_to_logits, visible_mask, probabilities, logits_grad (the cap's
+derivative from the registry), matmul_operand (float16's range), and the tile
+ranges q_tiles/kv_tiles. Head dims up to 128: at 256 the dk and dv
+accumulators of one warpgroup's 64 keys alone need 256 registers per thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ua_reference.contract import StaticSpec
+
+from . import fast_math, mosaic_common
+from .kernel_config import MosaicTiles
+from .mosaic_common import load_vector
+from .padding import pad
+from .tile_math import (kv_block_range, kv_tiles, logits_grad, matmul_operand, probabilities,
+                        q_block_range, q_tiles, scaled_back, scores_to_logits, tile_loop,
+                        visible_mask)
+
+MAX_HEAD_DIM = 128
+
+
+def unsupported(spec: StaticSpec, dtype) -> str | None:
+  """Why the Mosaic backward cannot run this call (None: it can)."""
+  if why := mosaic_common.dtype_error(dtype):
+    return why
+  if spec.head_dim > MAX_HEAD_DIM:
+    return (f"the Mosaic backward takes head dims up to {MAX_HEAD_DIM}, not "
+            f"{spec.head_dim}")
+  return None
+
+
+def _position_tiles(plgpu, shape, q_start, k_start, query_axis: int):
+  """(query positions, key positions) of a score tile, in wgmma's layout."""
+  iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+  return q_start + iota(query_axis), k_start + iota(1 - query_axis)
+
+
+def _accumulate(plgpu, acc, a, b_smem, back):
+  """acc + a @ b by wgmma; with matmul_operand's factor ``back`` the product
+  is taken from zero and its rows scaled back before the sum."""
+  product = lambda acc_ref: plgpu.wgmma(acc_ref, a, b_smem)
+  if back is None:
+    return pl.run_state(product)(plgpu.ACC.init(acc))
+  zeros = plgpu.layout_cast(jnp.zeros(acc.shape, jnp.float32), plgpu.Layout.WGMMA)
+  return acc + scaled_back(pl.run_state(product)(plgpu.ACC.init(zeros)), back)
+
+
+def _scores_pair(plgpu, a1, b1, a2, b2, shape):
+  """(a1 @ b1, a2 @ b2) in float32, both wgmmas issued before either is waited for."""
+  def both(acc1, acc2):
+    plgpu.wgmma(acc1, a1, b1)
+    plgpu.wgmma(acc2, a2, b2)
+    return acc1[...], acc2[...]
+
+  return pl.run_scoped(both, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, delta, dout, *,
+             fast_cap: bool):
+  """(dq, dk, dv) of the unpadded inputs. ``lse2`` [B, Hq, T] is the forward's
+  base-2 lse, ``delta`` [B, Hq, T] = rowsum(dO * O) - dlse - w * lse (0 on rows
+  without a visible key), ``temp`` [B, T, Hq] float32 or None."""
+  plgpu = mosaic_common.plgpu()
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  group = spec.group_size
+  dtype = q.dtype
+  head_dim = mosaic_common.padded_head_dim(d)
+  bq_dq, bkv_dq = tiles.block_q_dq, tiles.block_kv_dq
+  bq_dkv, bkv_dkv = tiles.block_q_dkv, tiles.block_kv_dkv
+  seq_pad = mosaic_common.padded_length(t, 2 * bq_dq, bkv_dq, bq_dkv, 2 * bkv_dkv)
+  padded = seq_pad != t
+  stages = tiles.stages_bwd
+
+  q, k, v, dout = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v, dout))
+  has_seg, has_temp = seg is not None, temp is not None
+  seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)
+  # Per-query rows of each head, [B, Hq, R, T_pad]: the dk/dv kernel's TMA
+  # warpgroup copies a query tile's lse, delta (and temperature) at once.
+  row_vectors = [lse2, delta] + ([jnp.transpose(temp, (0, 2, 1))] if has_temp else [])
+  rows = pad(jnp.stack([x.astype(jnp.float32) for x in row_vectors], axis=2), {3: seq_pad})
+  num_rows = rows.shape[2]
+  LSE, DELTA, TEMP = 0, 1, 2
+  # Tile ranges count tiles over the padded length; masks use spec's own
+  # seq_len (visible_mask's padded flag hides the padding).
+  spec_padded = dataclasses.replace(spec, seq_len=seq_pad)
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  col_layout = plgpu.Layout.WGMMA.reduce(0)
+  swizzled = mosaic_common.swizzled()
+  params = plgpu.CompilerParams(approx_math=mosaic_common.approx_math(spec, fast_cap),
+                                lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+  def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, dq_ref,
+                q_smem2, do_smem2, k_smem, v_smem,
+                q_loaded, do_loaded, k_loaded, v_loaded, kv_free):
+    bq, bkv = bq_dq, bkv_dq
+    bi = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    tile = lax.axis_index("q_tiles")
+    wg = lax.axis_index("wg")
+    kv_head = lax.div(h, jnp.int32(group))
+    cta_lo, cta_hi = kv_block_range(spec_padded, tile * 2 * bq, 2 * bq, bkv)
+    slot = lambda kb: lax.rem(kb - cta_lo, jnp.int32(stages))
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+      q_start = tile * 2 * bq + wg * bq
+      own = (bi, pl.ds(q_start, bq), h)
+      plgpu.copy_gmem_to_smem(q_ref.at[own], q_smem, q_loaded.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[own], do_smem, do_loaded.at[wg])
+      row = lambda i: load_vector(rows_ref.at[bi, h, i, pl.ds(q_start, bq)], row_layout)
+      lse2_q, delta_q = row(LSE), row(DELTA)
+      temp_q = row(TEMP) if has_temp else None
+      seg_q = load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], row_layout) if has_seg else None
+      plgpu.barrier_wait(q_loaded.at[wg])
+      plgpu.barrier_wait(do_loaded.at[wg])
+
+      def drain(kb, dq):
+        s = slot(kb)
+        plgpu.barrier_wait(k_loaded.at[s])
+        plgpu.barrier_wait(v_loaded.at[s])
+        plgpu.barrier_arrive(kv_free.at[s])
+        return dq
+
+      def visit(kb, dq, masked):
+        s = slot(kb)
+        plgpu.barrier_wait(k_loaded.at[s])
+        plgpu.barrier_wait(v_loaded.at[s])
+        scores, dp = _scores_pair(plgpu, q_smem, k_smem.at[s].transpose((1, 0)),
+                                  do_smem, v_smem.at[s].transpose((1, 0)), (bq, bkv))
+        mask = None
+        if masked:
+          q_pos, k_pos = _position_tiles(plgpu, (bq, bkv), q_start, kb * bkv, 0)
+          seg_k = (load_vector(seg_ref.at[bi, pl.ds(kb * bkv, bkv)], col_layout)
+                   if has_seg else None)
+          mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded)
+        logits = scores_to_logits(spec, scores, temp_q, mask, fast_cap)
+        p = probabilities(logits, lse2_q)
+        ds = logits_grad(spec, p, dp, delta_q, logits, temp_q, fast_cap)
+        ds16, back = matmul_operand(ds, dtype, axis=1)
+        dq = _accumulate(plgpu, dq, ds16, k_smem.at[s], back)
+        plgpu.barrier_arrive(kv_free.at[s])
+        return dq
+
+      dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+      lo, full_lo, full_hi, hi = kv_tiles(spec_padded, q_start, bq, bkv, padded)
+      dq = lax.fori_loop(cta_lo, lo, drain, dq)
+      dq = tile_loop((lo, full_lo, full_hi, hi), visit, dq)
+      dq = lax.fori_loop(hi, cta_hi, drain, dq)
+      q_smem[...] = dq.astype(dtype)  # Q's buffer holds dq on its way out
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[own])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      @pl.loop(cta_lo, cta_hi)
+      def _(kb):
+        s = slot(kb)
+        keys = (bi, pl.ds(kb * bkv, bkv), kv_head)
+
+        @pl.when(kb >= cta_lo + stages)
+        def _():
+          plgpu.barrier_wait(kv_free.at[s])
+
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[s], k_loaded.at[s])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[s], v_loaded.at[s])
+
+      @pl.loop(jnp.maximum(cta_hi - stages, cta_lo), cta_hi)
+      def _(kb):  # the last release of every slot (mosaic_forward)
+        plgpu.barrier_wait(kv_free.at[slot(kb)])
+
+  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, dk_ref, dv_ref,
+                 k_smem2, v_smem2, q_smem, do_smem, rows_smem,
+                 k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free):
+    bq, bkv = bq_dkv, bkv_dkv
+    bi = lax.axis_index("batch")
+    kv_head = lax.axis_index("heads")
+    tile = lax.axis_index("kv_tiles")
+    wg = lax.axis_index("wg")
+    cta_lo, cta_hi = q_block_range(spec_padded, tile * 2 * bkv, bq, 2 * bkv)
+    # The streamed steps: step n is query tile n // group of query head
+    # kv_head * group + n % group.
+    first, last = cta_lo * group, cta_hi * group
+    slot = lambda n: lax.rem(n - first, jnp.int32(stages))
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+      k_start = tile * 2 * bkv + wg * bkv
+      own = (bi, pl.ds(k_start, bkv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem, k_loaded.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem, v_loaded.at[wg])
+      seg_k = load_vector(seg_ref.at[bi, pl.ds(k_start, bkv)], row_layout) if has_seg else None
+      plgpu.barrier_wait(k_loaded.at[wg])
+      plgpu.barrier_wait(v_loaded.at[wg])
+
+      def drain(n, carry):
+        s = slot(n)
+        plgpu.barrier_wait(q_loaded.at[s])
+        plgpu.barrier_wait(do_loaded.at[s])
+        plgpu.barrier_wait(rows_loaded.at[s])
+        plgpu.barrier_arrive(q_free.at[s])
+        return carry
+
+      def visit(qb, g, carry, masked):
+        dk, dv = carry
+        s = slot(qb * group + g)
+        q_start = qb * bq
+        plgpu.barrier_wait(q_loaded.at[s])
+        plgpu.barrier_wait(do_loaded.at[s])
+        scores_t, dp_t = _scores_pair(plgpu, k_smem, q_smem.at[s].transpose((1, 0)),
+                                      v_smem, do_smem.at[s].transpose((1, 0)), (bkv, bq))
+        plgpu.barrier_wait(rows_loaded.at[s])
+        row = lambda i: load_vector(rows_smem.at[s, i], col_layout)
+        lse2_q, delta_q = row(LSE), row(DELTA)
+        temp_q = row(TEMP) if has_temp else None
+        mask = None
+        if masked:
+          q_pos, k_pos = _position_tiles(plgpu, (bkv, bq), q_start, k_start, 1)
+          seg_q = (load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], col_layout)
+                   if has_seg else None)
+          mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded, query_axis=1)
+        logits = scores_to_logits(spec, scores_t, temp_q, mask, fast_cap, query_axis=1)
+        p_t = probabilities(logits, lse2_q)
+        dv = _accumulate(plgpu, dv, p_t.astype(dtype), do_smem.at[s], None)
+        ds_t = logits_grad(spec, p_t, dp_t, delta_q, logits, temp_q, fast_cap)
+        ds16, back = matmul_operand(ds_t, dtype, axis=1)
+        dk = _accumulate(plgpu, dk, ds16, q_smem.at[s], back)
+        plgpu.barrier_arrive(q_free.at[s])
+        return dk, dv
+
+      def query_tile(qb, carry, masked):
+        return lax.fori_loop(0, group, lambda g, c: visit(qb, g, c, masked), carry)
+
+      zeros = plgpu.layout_cast(jnp.zeros((bkv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+      lo, full_lo, full_hi, hi = q_tiles(spec_padded, k_start, bq, bkv, padded)
+      carry = lax.fori_loop(first, lo * group, drain, (zeros, zeros))
+      carry = tile_loop((lo, full_lo, full_hi, hi), query_tile, carry)
+      dk, dv = lax.fori_loop(hi * group, last, drain, carry)
+      k_smem[...] = dk.astype(dtype)  # K's and V's buffers hold dk, dv on their way out
+      v_smem[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[own])
+      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[own])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      @pl.loop(first, last)
+      def _(n):
+        s = slot(n)
+        qb = lax.div(n, jnp.int32(group))
+        h = kv_head * group + lax.rem(n, jnp.int32(group))
+        queries = (bi, pl.ds(qb * bq, bq), h)
+
+        @pl.when(n >= first + stages)
+        def _():
+          plgpu.barrier_wait(q_free.at[s])
+
+        plgpu.copy_gmem_to_smem(q_ref.at[queries], q_smem.at[s], q_loaded.at[s])
+        plgpu.copy_gmem_to_smem(do_ref.at[queries], do_smem.at[s], do_loaded.at[s])
+        plgpu.copy_gmem_to_smem(rows_ref.at[bi, h, :, pl.ds(qb * bq, bq)], rows_smem.at[s],
+                                rows_loaded.at[s])
+
+      @pl.loop(jnp.maximum(last - stages, first), last)
+      def _(n):  # the last release of every slot (mosaic_forward)
+        plgpu.barrier_wait(q_free.at[slot(n)])
+
+  dq_call = plgpu.kernel(
+      dq_kernel,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      scratch_types=[
+          plgpu.SMEM((2, bq_dq, head_dim), dtype, transforms=swizzled),
+          plgpu.SMEM((2, bq_dq, head_dim), dtype, transforms=swizzled),
+          plgpu.SMEM((stages, bkv_dq, head_dim), dtype, transforms=swizzled),
+          plgpu.SMEM((stages, bkv_dq, head_dim), dtype, transforms=swizzled),
+          plgpu.Barrier(num_barriers=2),
+          plgpu.Barrier(num_barriers=2),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      ],
+      grid=(hq, seq_pad // (2 * bq_dq), b),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=params,
+      kernel_name="ua_backward_dq_mosaic",
+  )
+  dkv_call = plgpu.kernel(
+      dkv_kernel,
+      out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
+      scratch_types=[
+          plgpu.SMEM((2, bkv_dkv, head_dim), dtype, transforms=swizzled),
+          plgpu.SMEM((2, bkv_dkv, head_dim), dtype, transforms=swizzled),
+          plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
+          plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
+          plgpu.SMEM((stages, num_rows, bq_dkv), jnp.float32),
+          plgpu.Barrier(num_barriers=2),
+          plgpu.Barrier(num_barriers=2),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      ],
+      grid=(hkv, seq_pad // (2 * bkv_dkv), b),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=params,
+      kernel_name="ua_backward_dkv_mosaic",
+  )
+  with fast_math.native("mosaic"):
+    dq = dq_call(q, k, v, dout, rows, seg)
+    dk, dv = dkv_call(q, k, v, dout, rows, seg)
+  return dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :d]
