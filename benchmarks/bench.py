@@ -241,14 +241,6 @@ def main(argv=None):
                               "forward": forward_backend(spec, config, q.dtype)},
                "ua_kernels[triton]": {**dataclasses.asdict(config), "forward": "triton"},
                **PEER_CONFIGS}
-    if forward_backend(spec, config, q.dtype) == "mosaic" and dtype == jnp.bfloat16:
-      # The Mosaic backward with dq fused into the dk/dv kernel (MosaicTiles.fused_dq):
-      # faster, not bit-reproducible (as cuDNN's default backward).
-      fused = dataclasses.replace(config, mosaic=dataclasses.replace(config.mosaic,
-                                                                     fused_dq=True))
-      impls["ua_kernels[fused_dq]"] = lambda q, k, v: ua_kernels.attention(q, k, v, config=fused,
-                                                                           **kw)
-      configs["ua_kernels[fused_dq]"] = {**dataclasses.asdict(fused), "forward": "mosaic"}
     if not args.no_peers:
       impls.update(peers(causal, window, cap, doc, hq, hkv))
     label = f"B{b} T{t} H{hq}/{hkv} D{d}" + ("" if args.dtype == "bfloat16" else " f16") + \

@@ -90,22 +90,6 @@ def test_backward_lowers_for_cuda(shape_class):
     assert kernel in text
 
 
-def test_fused_dq_lowers_for_cuda():
-  """MosaicTiles(fused_dq=True): one backward kernel (dk/dv, adding dq into a
-  float32 Ref aliased in and out), no dq kernel; float16 keeps the dq kernel."""
-  config = KernelConfig(backend="mosaic", interpret=False, mosaic=MosaicTiles(fused_dq=True))
-
-  def kernels(dtype):
-    args, extra, options = _arguments(1, 256, 4, 2, 128, dtype,
-                                      dict(causal=True, cap_method="tanh", cap_params=(20.0,)))
-    loss = lambda q, k, v: jnp.sum(ua_kernels.attention(q, k, v, config=config, **options))
-    return _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), args, extra).count(
-        "stablehlo.custom_call @mosaic_gpu")
-
-  assert kernels(jnp.bfloat16) == 2  # forward, dk/dv with dq
-  assert kernels(jnp.float16) == 3   # forward, dq, dk/dv
-
-
 def test_shared_memory_overflow_is_a_lowering_error():
   """Tiles too large for the 227 KiB of shared memory fail at lowering, with
   Mosaic's message, not at run time."""
@@ -213,9 +197,8 @@ def _gradients(fn, q, k, v, inputs, options, seed=1):
 
 
 @pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
-@pytest.mark.parametrize("fused_dq", [False, True], ids=["dq-kernel", "fused-dq"])
 @pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
-def test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones(shape_class, fused_dq):
+def test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones(shape_class):
   """Compiled on Hopper: each gradient of the Mosaic backend, against the
   float32 reference, within twice the Triton backend's largest error (the same
   math in other tile orders and roundings) plus one 16-bit rounding of the
@@ -225,9 +208,8 @@ def test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones(shape_cla
   (q, k, v), inputs, options = _gpu_inputs(shape_class)
   upcast = [x.astype(jnp.float32) for x in (q, k, v)]
   reference = _gradients(ua_reference.attention, *upcast, inputs, options)
-  tiles = MosaicTiles(fused_dq=fused_dq)
   run = lambda backend: _gradients(
-      functools.partial(ua_kernels.attention, config=KernelConfig(backend=backend, mosaic=tiles)),
+      functools.partial(ua_kernels.attention, config=KernelConfig(backend=backend)),
       q, k, v, inputs, options)
   mosaic, triton = run("mosaic"), run("triton")
   eps = float(jnp.finfo(q.dtype).eps)

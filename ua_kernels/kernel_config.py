@@ -17,15 +17,7 @@ class MosaicTiles:
   head dim 256); ``stages``: slots of the K/V ring. Backward: the dq kernel
   owns ``block_q_dq`` query rows per warpgroup and streams ``block_kv_dq``
   keys; the dk/dv kernel owns ``block_kv_dkv`` keys per warpgroup and streams
-  ``block_q_dkv`` queries; both with rings of ``stages_bwd`` slots.
-
-  ``fused_dq``: the dk/dv kernel also computes each tile's dq term and adds it
-  to a float32 dq with TMA reduce-add copies, so no dq kernel recomputes the
-  scores and dp: five tile matmuls per (query tile, key tile) instead of
-  seven. The order in which the key tiles' terms meet in float32 then varies
-  between runs, so dq is not bit-reproducible; off by default. bfloat16 only:
-  float16 keeps the dq kernel (its ds tiles are scaled per key for dk's
-  product, and dq's would need them scaled per query)."""
+  ``block_q_dkv`` queries; both with rings of ``stages_bwd`` slots."""
 
   block_q: int = 64
   block_kv: int | None = None
@@ -35,7 +27,6 @@ class MosaicTiles:
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
   stages_bwd: int = 2
-  fused_dq: bool = False
 
   def __post_init__(self):
     for name, allowed in (("block_q", (64, 128)), ("block_kv", (None, 64, 128, 256)),
@@ -45,8 +36,6 @@ class MosaicTiles:
       if isinstance(value, bool) or value not in allowed:
         raise ValueError(f"MosaicTiles.{name} must be one of {allowed} (wgmma tiles), "
                          f"got {value!r}")
-    if not isinstance(self.fused_dq, bool):
-      raise TypeError(f"MosaicTiles.fused_dq must be a bool, got {self.fused_dq!r}")
     for name in ("stages", "stages_bwd"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 2:

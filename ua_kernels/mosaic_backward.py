@@ -20,10 +20,7 @@ per-query rows (lse, delta, temperature) in one TMA copy. wgmma's A operand
 comes from shared memory or registers and its B from shared memory, so the
 kernel scores keys against queries, sT = K Q^T, and takes pT and dsT from
 registers for dv += pT dO and dk += dsT Q: its tiles hold queries along axis 1
-(tile_math's ``query_axis``). With MosaicTiles.fused_dq it also stores dsT to
-shared memory and takes dq's term dS K from it (wgmma's A operand transposed),
-adding it to a float32 dq in global memory by a TMA reduce-add copy; the dq
-kernel is then not run.
+(tile_math's ``query_axis``).
 
 Every rule of the contract comes from tile_math, shared with the Triton
 kernels: scores_to_logits, visible_mask, probabilities, logits_grad (the cap's
@@ -90,21 +87,6 @@ def _scores_pair(plgpu, a1, b1, a2, b2, shape):
   return pl.run_scoped(both, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
 
-def _kernel_with_refs(plgpu, body, *, out_type, scratch_types, compiler_params, grid,
-                      grid_names, kernel_name):
-  """plgpu.kernel through pl.kernel, which also takes Ref arguments (aliased in
-  and out: the fused dq's float32 total), where plgpu.kernel's batching
-  wrapper does not; the scratch is allocated as plgpu.kernel does."""
-  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg",
-                    kernel_name=kernel_name)
-
-  def with_scratch(*refs):
-    pl.run_scoped(lambda *scratch: body(*refs, *scratch), *scratch_types, collective_axes="wg")
-
-  return pl.kernel(with_scratch, out_type=out_type, mesh=mesh, compiler_params=compiler_params,
-                   name=kernel_name)
-
-
 def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, delta, dout, *,
              fast_cap: bool):
   """(dq, dk, dv) of the unpadded inputs. ``lse2`` [B, Hq, T] is the forward's
@@ -121,7 +103,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   seq_pad = mosaic_common.padded_length(t, 2 * bq_dq, bkv_dq, bq_dkv, 2 * bkv_dkv)
   padded = seq_pad != t
   stages = tiles.stages_bwd
-  fused_dq = tiles.fused_dq and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
 
   q, k, v, dout = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v, dout))
   has_seg, has_temp = seg is not None, temp is not None
@@ -225,13 +206,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       def _(kb):  # the last release of every slot (mosaic_forward)
         plgpu.barrier_wait(kv_free.at[slot(kb)])
 
-  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, *refs):
-    if fused_dq:
-      (dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, q_smem, do_smem, rows_smem, ds_smem2, dq_smem2,
-       k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free) = refs
-    else:
-      (dk_ref, dv_ref, k_smem2, v_smem2, q_smem, do_smem, rows_smem,
-       k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free) = refs
+  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, dk_ref, dv_ref,
+                 k_smem2, v_smem2, q_smem, do_smem, rows_smem,
+                 k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free):
     bq, bkv = bq_dkv, bkv_dkv
     bi = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
@@ -286,33 +263,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         dv = _accumulate(plgpu, dv, p_t.astype(dtype), do_smem.at[s], None)
         ds_t = logits_grad(spec, p_t, dp_t, delta_q, logits, temp_q, fast_cap)
         ds16, back = matmul_operand(ds_t, dtype, axis=1)
-        if fused_dq:
-          dk = _accumulate_dk_and_dq(qb * bq, kv_head * group + g, dk, ds16, q_smem.at[s])
-        else:
-          dk = _accumulate(plgpu, dk, ds16, q_smem.at[s], back)
+        dk = _accumulate(plgpu, dk, ds16, q_smem.at[s], back)
         plgpu.barrier_arrive(q_free.at[s])
         return dk, dv
-
-      def _accumulate_dk_and_dq(q_start, h, dk, ds16, q_tile):
-        """dk += dsT Q, and dq[q tile] += dS K by TMA reduce-add (bfloat16: no
-        per-row factors)."""
-        ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
-        ds_smem[...] = ds16
-        plgpu.commit_smem()
-
-        def products(refs):
-          dk_acc, dq_acc = refs
-          plgpu.wgmma(dk_acc, ds16, q_tile)
-          plgpu.wgmma(dq_acc, ds_smem.transpose((1, 0)), k_smem)
-
-        zeros = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dk, dq_term = pl.run_state(products)((plgpu.ACC.init(dk), plgpu.ACC.init(zeros)))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last term's copy has read dq_smem
-        dq_smem[...] = dq_term
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[bi, pl.ds(q_start, bq), h],
-                                reduction_op="add")
-        return dk
 
       def query_tile(qb, carry, masked):
         return lax.fori_loop(0, group, lambda g, c: visit(qb, g, c, masked), carry)
@@ -374,10 +327,8 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       compiler_params=params,
       kernel_name="ua_backward_dq_mosaic",
   )
-  fused_scratch = [plgpu.SMEM((2, bkv_dkv, bq_dkv), dtype, transforms=swizzled),
-                   plgpu.SMEM((2, bq_dkv, head_dim), jnp.float32)] if fused_dq else []
-  dkv_call = _kernel_with_refs(
-      plgpu, dkv_kernel,
+  dkv_call = plgpu.kernel(
+      dkv_kernel,
       out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
       scratch_types=[
           plgpu.SMEM((2, bkv_dkv, head_dim), dtype, transforms=swizzled),
@@ -385,7 +336,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
           plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
           plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
           plgpu.SMEM((stages, num_rows, bq_dkv), jnp.float32),
-          *fused_scratch,
           plgpu.Barrier(num_barriers=2),
           plgpu.Barrier(num_barriers=2),
           plgpu.Barrier(num_barriers=stages),
@@ -395,16 +345,12 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       ],
       grid=(hkv, seq_pad // (2 * bkv_dkv), b),
       grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=3,
+      thread_name="wg",
       compiler_params=params,
       kernel_name="ua_backward_dkv_mosaic",
   )
   with fast_math.native("mosaic"):
-    if fused_dq:
-      # A Ref argument is aliased in and out of the kernel, which adds to it.
-      dq_total = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-      dk, dv = dkv_call(q, k, v, dout, rows, seg, dq_total)
-      dq = dq_total[...].astype(dtype)
-    else:
-      dq = dq_call(q, k, v, dout, rows, seg)
-      dk, dv = dkv_call(q, k, v, dout, rows, seg)
+    dq = dq_call(q, k, v, dout, rows, seg)
+    dk, dv = dkv_call(q, k, v, dout, rows, seg)
   return dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :d]
