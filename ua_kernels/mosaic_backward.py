@@ -88,10 +88,12 @@ def _scores_pair(plgpu, a1, b1, a2, b2, shape):
 
 
 def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, delta, dout, *,
-             fast_cap: bool):
+             fast_cap: bool, kernels=("dq", "dkv")):
   """(dq, dk, dv) of the unpadded inputs. ``lse2`` [B, Hq, T] is the forward's
   base-2 lse, ``delta`` [B, Hq, T] = rowsum(dO * O) - dlse - w * lse (0 on rows
-  without a visible key), ``temp`` [B, T, Hq] float32 or None."""
+  without a visible key), ``temp`` [B, T, Hq] float32 or None. ``kernels``
+  runs only some of the two (the others' outputs are None), so that
+  benchmarks.breakdown times each on its own."""
   plgpu = mosaic_common.plgpu()
   b, t, hq, d = q.shape
   hkv = k.shape[2]
@@ -350,7 +352,10 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       compiler_params=params,
       kernel_name="ua_backward_dkv_mosaic",
   )
+  dq = dk = dv = None
   with fast_math.native("mosaic"):
-    dq = dq_call(q, k, v, dout, rows, seg)
-    dk, dv = dkv_call(q, k, v, dout, rows, seg)
-  return dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :d]
+    if "dq" in kernels:
+      dq = dq_call(q, k, v, dout, rows, seg)[:, :t, :, :d]
+    if "dkv" in kernels:
+      dk, dv = (x[:, :t, :, :d] for x in dkv_call(q, k, v, dout, rows, seg))
+  return dq, dk, dv
