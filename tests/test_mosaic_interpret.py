@@ -1,0 +1,118 @@
+"""The Mosaic GPU kernels run on the CPU by jax's Mosaic GPU interpreter (jax >= 0.11).
+
+The interpreter executes the kernels' warpgroups as threads, with their
+barriers, TMA copies and wgmma, so it checks numerics and synchronisation
+without a GPU: each shape class of tests/test_mosaic.py runs the Mosaic
+forward and backward here against the Triton kernels in Pallas' interpreter.
+It lacks two things the kernels use, which the ``interpreter_gaps`` fixture
+supplies for these tests only, computing the same products in registers:
+``pl.run_state`` over an initialised wgmma accumulator, and a wgmma operand in
+registers (p and ds). CI's jax 0.10 has no such interpreter and skips them.
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ua_reference.contract import validate
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+if not hasattr(plgpu, "InterpretGPUParams"):
+  pytest.skip("Mosaic GPU's interpreter needs jax >= 0.11", allow_module_level=True)
+
+from jax.experimental import pallas as pl  # noqa: E402
+from jax._src.pallas import core as pallas_core  # noqa: E402
+from jax._src.state import types as state_types  # noqa: E402
+
+from test_mosaic import SHAPE_CLASSES, _gpu_inputs  # noqa: E402
+from ua_kernels import KernelConfig, mosaic_backward, mosaic_forward  # noqa: E402
+
+attention_module = sys.modules["ua_kernels.attention"]
+
+
+class _RegisterAccumulator:
+  """Stands in for an initialised wgmma accumulator inside pl.run_state."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def __getitem__(self, index):
+    return self.value
+
+
+def _is_ref(x):
+  return isinstance(x, pallas_core.TransformedRef) or isinstance(jax.typeof(x),
+                                                                 state_types.AbstractRef)
+
+
+@pytest.fixture
+def interpreter_gaps(monkeypatch):
+  real_wgmma = plgpu.wgmma
+
+  def run_state(body):
+    def run(init):
+      inits = init if isinstance(init, tuple) else (init,)
+      accs = tuple(_RegisterAccumulator(i._init) for i in inits)
+      body(accs if isinstance(init, tuple) else accs[0])
+      values = tuple(a.value for a in accs)
+      return values if isinstance(init, tuple) else values[0]
+    return run
+
+  def wgmma(acc, a, b):
+    if not isinstance(acc, _RegisterAccumulator):
+      return real_wgmma(acc, a, b)
+    a = a[...] if _is_ref(a) else a
+    acc.value = acc.value + jnp.dot(a.astype(jnp.float32), b[...].astype(jnp.float32))
+
+  monkeypatch.setattr(pl, "run_state", run_state)
+  monkeypatch.setattr(plgpu, "wgmma", wgmma)
+
+
+def _close(name, got, want, dtype, eps=None):
+  """Within one rounding of the output dtype (or ``eps``) of each element, and a
+  quarter of one at the output's scale: the two kernels round the same
+  probabilities to 16 bits after other running maxima (other tile sizes) and
+  sum them in other orders, then round the results, which may fall on
+  neighbouring values. Off by 2% anywhere (a probability scaled by 1.02 in the
+  dk/dv kernel) fails."""
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  finite = np.isfinite(want)
+  assert np.array_equal(np.isfinite(got), finite), f"{name}: infinities differ"
+  eps = eps or float(jnp.finfo(dtype).eps)
+  scale = float(np.max(np.abs(want[finite]), initial=0.0))
+  np.testing.assert_allclose(got[finite], want[finite], rtol=eps,
+                             atol=eps / 4 * max(scale, 1.0), err_msg=name)
+
+
+@pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_mosaic_kernels_match_triton_in_the_interpreters(shape_class, interpreter_gaps):
+  (q, k, v), inputs, options = _gpu_inputs(shape_class)
+  spec, seg, temp = validate(q, k, v, **options, **inputs)
+  temp = None if temp is None else temp.astype(jnp.float32)
+  triton = KernelConfig(backend="triton", interpret=True)
+  fast_cap = attention_module._fast_cap(spec, q.dtype)
+  out, lse2 = attention_module._forward(spec, triton, q, k, v, seg, temp)
+  rng = np.random.default_rng(1)
+  dout = jnp.asarray(rng.normal(size=q.shape), q.dtype)
+  dlse = jnp.asarray(rng.normal(size=lse2.shape), jnp.float32)
+  grads = attention_module._backward(spec, triton, q, k, v, seg, temp, out, lse2, dout, dlse)
+
+  tiles = KernelConfig().mosaic
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    out_m, lse2_m = mosaic_forward.forward(spec, tiles, q, k, v, seg, temp, fast_cap=fast_cap)
+    if mosaic_backward.unsupported(spec, q.dtype) is None:
+      delta = attention_module._delta(spec, out, dout, lse2, dlse)
+      grads_m = mosaic_backward.backward(spec, tiles, q, k, v, seg, temp, lse2, delta, dout,
+                                         fast_cap=fast_cap)
+    else:
+      grads_m = None
+  _close("out", out_m, out, q.dtype)
+  # A fast cap form: the Triton interpreter rounds its tanh to 11 bits (the
+  # error of tanh.approx, ua_kernels.fast_math), Mosaic's interpreter does not.
+  _close("lse2", lse2_m, lse2, jnp.float32, eps=2.0 ** -11 if fast_cap else None)
+  if grads_m is not None:
+    for name, got, want in zip(("dq", "dk", "dv"), grads_m, grads):
+      _close(name, got, want, q.dtype)
