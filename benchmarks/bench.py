@@ -194,6 +194,8 @@ CONFIGS = {
     # name: (B, T, Hq, Hkv, D, causal, window, tanh cap, doc_len)
     "quick": [(4, 4096, 16, 16, 128, False, 0, 0.0, 0), (4, 4096, 16, 16, 128, True, 0, 0.0, 0),
               (4, 4096, 16, 16, 128, False, 0, 30.0, 0), (4, 4096, 16, 16, 128, True, 0, 30.0, 0)],
+    # Packed documents (segment ids): causal documents of 512, full ones of 1024.
+    "docs": [(4, 4096, 16, 16, 128, True, 0, 0.0, 512), (4, 4096, 16, 16, 128, False, 0, 0.0, 1024)],
     # Our kernels only, beyond the peer table of "quick" (windows, packing, GQA, D, T).
     "extra": [(1, 16384, 16, 16, 128, True, 0, 0.0, 0), (1, 16384, 16, 16, 128, True, 512, 0.0, 0),
               (1, 16384, 16, 16, 128, True, 4096, 0.0, 0), (4, 4096, 16, 4, 128, True, 0, 0.0, 0),

@@ -9,6 +9,7 @@ import pytest
 
 import ua_kernels
 from ua_kernels import KernelConfig
+from ua_kernels.segment_spans import segment_spans
 from ua_reference.contract import validate
 from ua_kernels.tile_math import kv_block_range, q_block_range
 from properties.runner import x64
@@ -165,7 +166,7 @@ def test_segment_spans_skip_only_tiles_without_a_visible_pair(segments, causal, 
     seg = np.repeat(np.arange(t), rng.choice([1, 3, 7, 20], size=t))[:t]
   else:
     seg = rng.integers(0, 3, size=t)
-  spans = np.asarray(attention_module._segment_spans(jnp.asarray(seg[None], jnp.int32), 64))[0]
+  spans = np.asarray(segment_spans(jnp.asarray(seg[None], jnp.int32), 64))[0]
   spec = validate(*(np.zeros((1, t, 1, 16), np.float32),) * 3, causal=causal, window_len=window,
                   segment_ids=seg[None])[0]
   mask = np.asarray(visible_keys(t, jnp.asarray(seg[None]), causal, window))[0]

@@ -20,6 +20,7 @@ from ua_reference.contract import StaticSpec, validate
 from . import cap_forms, fast_math, kernels, mosaic_backward, mosaic_forward
 from .kernel_config import KernelConfig
 from .padding import pad as _pad
+from .segment_spans import segment_spans
 from .tile_math import LN2
 from .tuned_configs import default_config
 
@@ -93,27 +94,6 @@ def _pallas_call(config: KernelConfig, inputs, kernel, **kwargs):
     return pl.pallas_call(kernel, interpret=interpret, **kwargs)(*inputs)
 
 
-def _segment_spans(seg, seq_pad: int):
-  """[B, 2, T_pad] int32: for each position, the first position of its segment
-  and one past the last (padding: an empty span), so that the kernels visit
-  only tiles holding some same-segment pair (kernels._segment_span). Ids need
-  not be sorted or contiguous: a segment spread out gets its whole extent."""
-  b, t = seg.shape
-  order = jnp.argsort(seg, axis=1, stable=True)
-  ordered = jnp.take_along_axis(seg, order, axis=1)
-  new_segment = jnp.concatenate([jnp.ones((b, 1), bool), ordered[:, 1:] != ordered[:, :-1]],
-                                axis=1)
-  group = jnp.cumsum(new_segment, axis=1, dtype=jnp.int32) - 1
-  first = jax.vmap(lambda o, g: jax.ops.segment_min(o, g, num_segments=t))(order, group)
-  last = jax.vmap(lambda o, g: jax.ops.segment_max(o, g, num_segments=t))(order, group)
-  inverse = jnp.argsort(order, axis=1)
-  at_position = lambda per_group: jnp.take_along_axis(
-      jnp.take_along_axis(per_group, group, axis=1), inverse, axis=1).astype(jnp.int32)
-  pad = ((0, 0), (0, seq_pad - t))
-  return jnp.stack([jnp.pad(at_position(first), pad, constant_values=seq_pad),
-                    jnp.pad(at_position(last) + 1, pad, constant_values=0)], axis=1)
-
-
 def _prepare(spec, config, q, k, v, seg, temp):
   """Pads to the kernel layout; segment ids gain their spans ([B, 2, T_pad]);
   temperature becomes [B, Hq, T_pad]."""
@@ -121,7 +101,7 @@ def _prepare(spec, config, q, k, v, seg, temp):
   q, k, v = (_pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
   spans = None
   if seg is not None:
-    spans = _segment_spans(seg, seq_pad)
+    spans = segment_spans(seg, seq_pad)
     seg = _pad(seg, {1: seq_pad})
   if temp is not None:
     temp = _pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad})
@@ -158,8 +138,8 @@ def _is_hopper() -> bool:
 
 def forward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
   """"mosaic" or "triton": the kernels of the forward for this call and config
-  (KernelConfig.backend). "auto" takes Mosaic on Hopper for 16-bit inputs,
-  head dims up to 256 and no segment ids."""
+  (KernelConfig.backend). "auto" takes Mosaic on Hopper for 16-bit inputs and
+  head dims up to 256."""
   if config.backend == "triton":
     return "triton"
   why = mosaic_forward.unsupported(spec, dtype)
@@ -170,10 +150,7 @@ def forward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
       raise ValueError("KernelConfig(backend='mosaic') cannot run in the Pallas interpreter "
                        "(interpret=True)")
     return "mosaic"
-  # Packed documents stay on Triton: its forward visits only the key tiles of
-  # a query tile's own documents (segment spans), the Mosaic one every tile
-  # of the causal/window band.
-  if why is None and not spec.has_segment_ids and not _interpret(config) and _is_hopper():
+  if why is None and not _interpret(config) and _is_hopper():
     return "mosaic"
   return "triton"
 
