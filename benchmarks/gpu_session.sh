@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: compiled smoke check and kernel tests, the suite's GPU campaign
-# (ua_kernels:attention as it dispatches, then the Mosaic backend forced), and ua-bench.
+# (ua_kernels:attention as it dispatches, then the Mosaic backend forced), ua-bench,
+# and the Mosaic kernels' time one by one (benchmarks.breakdown).
 # Usage (on the GPU machine, from the repository root, package installed):
 #   bash benchmarks/gpu_session.sh OUTDIR [campaign_minutes] [bench_set]
 set -uo pipefail
@@ -20,3 +21,5 @@ if [ "$minutes" != 0 ]; then
 fi
 timeout 400 python3 -m benchmarks.bench --set "$bench" --repeats 7 --json $out/bench.json 2>&1 \
   | grep -v -i warn | tee $out/bench.log
+timeout 300 python3 -m benchmarks.breakdown --json $out/breakdown.json 2>&1 | grep -v -i warn \
+  | tee $out/breakdown.log

@@ -36,9 +36,9 @@ class Mutant:
   occurrence: int | None = None  # which match to change when not unique (0-based)
 
 
-TILE_MATH, KERNELS, ATTENTION, SOFTMAX_STATE = (
+TILE_MATH, KERNELS, ATTENTION, SOFTMAX_STATE, SEGMENT_SPANS = (
     "ua_kernels/tile_math.py", "ua_kernels/kernels.py", "ua_kernels/attention.py",
-    "ua_kernels/softmax_state.py")
+    "ua_kernels/softmax_state.py", "ua_kernels/segment_spans.py")
 
 MUTANTS = [
     # --- the original kernel's defects, re-introduced ---------------------------------------
@@ -86,8 +86,9 @@ MUTANTS = [
     Mutant("M2", TILE_MATH, "conditions.append(k_pos > q_pos - spec.window_len)",
            "conditions.append(k_pos >= q_pos - spec.window_len)",
            "window edge off by one"),
-    Mutant("M3", TILE_MATH, "conditions.append(_tile_grid(q_seg, shape, 0) == _tile_grid(k_seg, shape, 1))",
-           "conditions.append(_tile_grid(q_seg, shape, 0) >= _tile_grid(k_seg, shape, 1))",
+    Mutant("M3", TILE_MATH,
+           "conditions.append(_tile_grid(q_seg, shape, query_axis) == _tile_grid(k_seg, shape, key_axis))",
+           "conditions.append(_tile_grid(q_seg, shape, query_axis) >= _tile_grid(k_seg, shape, key_axis))",
            "segment edge: earlier documents visible"),
     Mutant("M4", TILE_MATH, "(q_pos < spec.seq_len) & (k_pos < spec.seq_len)",
            "(q_pos < spec.seq_len)", "tail keys (padding) not masked"),
@@ -100,7 +101,8 @@ MUTANTS = [
            "    qk = qk * along_rows(temp, qk)\n    temp = None\n"
            "  if spec.cap_method == \"none\":\n    scores, scale, cap_arg",
            "temperature applied before the cap"),
-    Mutant("M8", TILE_MATH, "  if temp is not None:\n    ds = ds * temp[:, None]\n", "",
+    Mutant("M8", TILE_MATH,
+           "  if temp is not None:\n    ds = ds * along_queries(temp, ds, logits.query_axis)\n", "",
            "temperature missing from the logits gradient"),
     Mutant("M9", TILE_MATH, "    ds = ds * cap_grad(logits.cap_arg, *logits.cap_params)\n",
            "    ds = ds * 1.0\n", "cap gradient dropped (taken as 1)"),
@@ -138,7 +140,7 @@ MUTANTS = [
     Mutant("M26", TILE_MATH, "(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))",
            "(jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))",
            "fixed exp2 shift for float16 inputs (probabilities overflow its range)"),
-    Mutant("M27", ATTENTION, "jnp.pad(at_position(last) + 1, pad", "jnp.pad(at_position(last), pad",
+    Mutant("M27", SEGMENT_SPANS, "jnp.pad(at_position(last) + 1, pad", "jnp.pad(at_position(last), pad",
            "segment spans one short: the last key of each segment's extent skipped"),
     Mutant("M28", TILE_MATH, "jnp.minimum(hi, _ceil_div(span_hi, block))",
            "jnp.minimum(hi, _div(span_hi, block))",

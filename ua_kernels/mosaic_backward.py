@@ -25,7 +25,7 @@ registers for dv += pT dO and dk += dsT Q: its tiles hold queries along axis 1
 Every rule of the contract comes from tile_math, shared with the Triton
 kernels: scores_to_logits, visible_mask, probabilities, logits_grad (the cap's
 derivative from the registry), matmul_operand (float16's range), and the tile
-ranges q_tiles/kv_tiles (with segment ids, within the tile's documents' spans). Head dims up to 128: at 256 the dk and dv
+ranges q_tiles/kv_tiles. Head dims up to 128: at 256 the dk and dv
 accumulators of one warpgroup's 64 keys alone need 256 registers per thread.
 """
 
@@ -42,11 +42,11 @@ from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
 from .kernel_config import MosaicTiles
-from .mosaic_common import load_vector, own_tiles, program_span, program_tiles
+from .mosaic_common import load_vector
 from .padding import pad
-from .segment_spans import segment_spans
-from .tile_math import (kv_tiles, logits_grad, matmul_operand, probabilities, q_tiles,
-                        scaled_back, scores_to_logits, tile_loop, visible_mask)
+from .tile_math import (kv_block_range, kv_tiles, logits_grad, matmul_operand, probabilities,
+                        q_block_range, q_tiles, scaled_back, scores_to_logits, tile_loop,
+                        visible_mask)
 
 MAX_HEAD_DIM = 128
 
@@ -108,7 +108,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
 
   q, k, v, dout = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v, dout))
   has_seg, has_temp = seg is not None, temp is not None
-  spans = segment_spans(seg, seq_pad) if has_seg else jnp.zeros((b, 2, seq_pad), jnp.int32)
   seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)
   # Per-query rows of each head, [B, Hq, R, T_pad]: the dk/dv kernel's TMA
   # warpgroup copies a query tile's lse, delta (and temperature) at once.
@@ -125,7 +124,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   params = plgpu.CompilerParams(approx_math=mosaic_common.approx_math(spec, fast_cap),
                                 lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
-  def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dq_ref,
+  def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, dq_ref,
                 q_smem2, do_smem2, k_smem, v_smem,
                 q_loaded, do_loaded, k_loaded, v_loaded, kv_free):
     bq, bkv = bq_dq, bkv_dq
@@ -134,9 +133,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     tile = lax.axis_index("q_tiles")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(group))
-    cta_lo, cta_hi = program_tiles(kv_tiles(
-        spec_padded, tile * 2 * bq, 2 * bq, bkv, padded,
-        program_span(spans_ref, bi, tile * 2 * bq, 2 * bq, row_layout, has_seg)))
+    cta_lo, cta_hi = kv_block_range(spec_padded, tile * 2 * bq, 2 * bq, bkv)
     slot = lambda kb: lax.rem(kb - cta_lo, jnp.int32(stages))
 
     @pl.when(wg < 2)
@@ -182,9 +179,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         return dq
 
       dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      lo, full_lo, full_hi, hi = own_tiles(kv_tiles(
-          spec_padded, q_start, bq, bkv, padded,
-          program_span(spans_ref, bi, q_start, bq, row_layout, has_seg)), cta_lo, cta_hi)
+      lo, full_lo, full_hi, hi = kv_tiles(spec_padded, q_start, bq, bkv, padded)
       dq = lax.fori_loop(cta_lo, lo, drain, dq)
       dq = tile_loop((lo, full_lo, full_hi, hi), visit, dq)
       dq = lax.fori_loop(hi, cta_hi, drain, dq)
@@ -213,7 +208,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       def _(kb):  # the last release of every slot (mosaic_forward)
         plgpu.barrier_wait(kv_free.at[slot(kb)])
 
-  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dk_ref, dv_ref,
+  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, dk_ref, dv_ref,
                  k_smem2, v_smem2, q_smem, do_smem, rows_smem,
                  k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free):
     bq, bkv = bq_dkv, bkv_dkv
@@ -221,9 +216,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     kv_head = lax.axis_index("heads")
     tile = lax.axis_index("kv_tiles")
     wg = lax.axis_index("wg")
-    cta_lo, cta_hi = program_tiles(q_tiles(
-        spec_padded, tile * 2 * bkv, bq, 2 * bkv, padded,
-        program_span(spans_ref, bi, tile * 2 * bkv, 2 * bkv, row_layout, has_seg)))
+    cta_lo, cta_hi = q_block_range(spec_padded, tile * 2 * bkv, bq, 2 * bkv)
     # The streamed steps: step n is query tile n // group of query head
     # kv_head * group + n % group.
     first, last = cta_lo * group, cta_hi * group
@@ -280,9 +273,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         return lax.fori_loop(0, group, lambda g, c: visit(qb, g, c, masked), carry)
 
       zeros = plgpu.layout_cast(jnp.zeros((bkv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      lo, full_lo, full_hi, hi = own_tiles(q_tiles(
-          spec_padded, k_start, bq, bkv, padded,
-          program_span(spans_ref, bi, k_start, bkv, row_layout, has_seg)), cta_lo, cta_hi)
+      lo, full_lo, full_hi, hi = q_tiles(spec_padded, k_start, bq, bkv, padded)
       carry = lax.fori_loop(first, lo * group, drain, (zeros, zeros))
       carry = tile_loop((lo, full_lo, full_hi, hi), query_tile, carry)
       dk, dv = lax.fori_loop(hi * group, last, drain, carry)
@@ -364,7 +355,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   dq = dk = dv = None
   with fast_math.native("mosaic"):
     if "dq" in kernels:
-      dq = dq_call(q, k, v, dout, rows, seg, spans)[:, :t, :, :d]
+      dq = dq_call(q, k, v, dout, rows, seg)[:, :t, :, :d]
     if "dkv" in kernels:
-      dk, dv = (x[:, :t, :, :d] for x in dkv_call(q, k, v, dout, rows, seg, spans))
+      dk, dv = (x[:, :t, :, :d] for x in dkv_call(q, k, v, dout, rows, seg))
   return dq, dk, dv

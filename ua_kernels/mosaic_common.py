@@ -7,7 +7,6 @@ import inspect
 import math
 
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
 
@@ -33,38 +32,6 @@ def load_vector(ref, layout):
   if inspect.signature(mgpu.load).parameters["idx"].default is inspect.Parameter.empty:
     return mgpu.load(ref, (), layout=layout, optimized=False)
   return mgpu.load(ref, layout=layout, optimized=False)
-
-
-def tile_span(spans_ref, batch, start, size: int, layout):
-  """[lo, hi): the positions that share a segment with some position of the
-  ``size`` positions at ``start`` (segment_spans' [B, 2, T] ``spans_ref``), as
-  two scalars, for tile_math's ``span``: the kernels visit only the tiles of a
-  tile's own documents."""
-  lo = jnp.min(load_vector(spans_ref.at[batch, 0, pl.ds(start, size)], layout))
-  hi = jnp.max(load_vector(spans_ref.at[batch, 1, pl.ds(start, size)], layout))
-  return lo, hi
-
-
-def program_span(spans_ref, batch, start, size: int, layout, has_segments: bool):
-  """tile_span of a program's rows (None without segment ids)."""
-  return tile_span(spans_ref, batch, start, size, layout) if has_segments else None
-
-
-def own_tiles(tiles, program_lo, program_hi):
-  """A warpgroup's tile range (tile_math.kv_tiles/q_tiles) clipped into its
-  program's [program_lo, program_hi), with hi >= lo. A warpgroup drains the
-  program's tiles outside its own range, so the two must nest: a warpgroup
-  whose rows are all padding has an empty segment span, lo > hi, which would
-  drain tiles twice or ones never loaded."""
-  lo, full_lo, full_hi, hi = tiles
-  lo = jnp.clip(lo, program_lo, program_hi)
-  return lo, full_lo, full_hi, jnp.clip(hi, lo, program_hi)
-
-
-def program_tiles(tiles):
-  """(lo, hi) of a program's tile range, hi >= lo (tiles as own_tiles)."""
-  lo, _, _, hi = tiles
-  return lo, jnp.maximum(hi, lo)
 
 
 def swizzled():

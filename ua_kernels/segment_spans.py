@@ -1,5 +1,5 @@
 """Segment spans: where each position's packed document begins and ends, so
-that both backends' kernels visit only the tiles of a tile's own documents."""
+that the kernels visit only the tiles of a tile's own documents."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import jax.numpy as jnp
 def segment_spans(seg, seq_pad: int):
   """[B, 2, T_pad] int32: for each position, the first position of its segment
   and one past the last (padding: an empty span), so that the kernels visit
-  only tiles holding some same-segment pair (kernels._segment_span,
-  mosaic_common.tile_span). Ids need not be sorted or contiguous: a segment
-  spread out gets its whole extent."""
+  only tiles holding some same-segment pair (kernels._segment_span). Ids need
+  not be sorted or contiguous: a segment spread out gets its whole extent."""
   b, t = seg.shape
   order = jnp.argsort(seg, axis=1, stable=True)
   ordered = jnp.take_along_axis(seg, order, axis=1)
