@@ -157,9 +157,7 @@ def test_segment_spans_skip_only_tiles_without_a_visible_pair(segments, causal, 
   the span of its queries' segments (and per key tile the query tiles likewise).
   Packed documents: exactly the tiles holding a visible pair. Ids scattered over
   the sequence: at least those (a segment's span is its whole extent)."""
-  import importlib
   from ua_kernels.tile_math import kv_tiles, q_tiles
-  attention_module = importlib.import_module("ua_kernels.attention")
   t, bq, bkv = 61, 16, 8
   rng = np.random.default_rng(3)
   if segments == "packed":
