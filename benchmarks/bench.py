@@ -33,7 +33,7 @@ import numpy as np
 
 import ua_kernels
 from properties.impls import PALLAS_MHA_TILES
-from ua_kernels.attention import forward_backend
+from ua_kernels.attention import backward_backend, forward_backend
 from ua_kernels.backends import triton_attention
 from ua_kernels.tuned_configs import default_config
 from ua_reference.contract import validate
@@ -233,15 +233,17 @@ def main(argv=None):
     flops = 4 * b * hq * d * visible_pairs(t, causal, window, doc)
     kw = dict(causal=causal, window_len=window, segment_ids=seg,
               cap_method="tanh" if cap else "none", cap_params=(cap,) if cap else ())
-    # ua_kernels as it dispatches (the Mosaic forward on Hopper), and with
+    # ua_kernels as it dispatches (the Mosaic kernels on Hopper), and with
     # every kernel on Pallas-Triton, timed side by side.
     spec = validate(q, k, v, **kw)[0]
     config = default_config(spec, q.dtype)
     impls = {"ua_kernels": lambda q, k, v: ua_kernels.attention(q, k, v, **kw),
              "ua_kernels[triton]": lambda q, k, v: triton_attention(q, k, v, **kw)}
     configs = {"ua_kernels": {**dataclasses.asdict(config),
-                              "forward": forward_backend(spec, config, q.dtype)},
-               "ua_kernels[triton]": {**dataclasses.asdict(config), "forward": "triton"},
+                              "forward": forward_backend(spec, config, q.dtype),
+                              "backward": backward_backend(spec, config, q.dtype)},
+               "ua_kernels[triton]": {**dataclasses.asdict(config), "forward": "triton",
+                                      "backward": "triton"},
                **PEER_CONFIGS}
     if not args.no_peers:
       impls.update(peers(causal, window, cap, doc, hq, hkv))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: compiled smoke check and kernel tests, the suite's GPU campaign
+# One GPU run: compiled smoke check and kernel tests, the suite's GPU campaign
 # (ua_kernels:attention as it dispatches, then the Mosaic backend forced), ua-bench,
 # and the Mosaic kernels' time one by one (benchmarks.breakdown).
 # Usage (on the GPU machine, from the repository root, package installed):

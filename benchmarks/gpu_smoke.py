@@ -2,7 +2,7 @@
 reference; prints one line per case.
 
 ``python -m benchmarks.gpu_smoke [N ...]`` runs only the cases numbered N
-(from 1, in CASES order), to fit a device call's time limit."""
+(from 1, in CASES order), to fit a time limit."""
 
 import sys
 

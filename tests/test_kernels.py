@@ -239,3 +239,57 @@ def test_both_group_summation_orders_compute_the_same_function():
   for per_head, tile_by_tile in zip(*grads):
     np.testing.assert_allclose(np.asarray(per_head), np.asarray(tile_by_tile),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("options", [
+    dict(causal=True),
+    dict(cap_method="tanh", cap_params=(5.0,), window_len=7),
+    dict(cap_method="asym_tanh", cap_params=(2.0, 1.0), sm_scale=-0.3),
+    dict(cap_method="hard", cap_params=(4.0,), causal=True, window_len=5),
+], ids=["causal", "tanh-window", "asym-negative-scale", "hard-causal-window"])
+@pytest.mark.parametrize("with_temperature", [False, True], ids=["", "temperature"])
+def test_keys_by_queries_tiles_are_the_transpose(dtype, options, with_temperature):
+  """The Mosaic dk/dv kernel scores keys against queries (tile_math's
+  query_axis=1). Mask, logits, probabilities, logits gradient and float16's
+  per-key operand scaling of such a tile are, bit for bit, the transposes of
+  the same functions on the [queries, keys] tile the other kernels use."""
+  from ua_kernels import tile_math
+  from ua_kernels.cap_forms import fast_forms
+  t, bq, bkv, q_start, k_start = 40, 16, 8, 8, 16
+  x = np.zeros((1, t, 1, 16), np.float32)
+  seg = np.repeat(np.arange(4), 10)[None]
+  spec = validate(x, x, x, segment_ids=seg, **options)[0]
+  rng = np.random.default_rng(7)
+  qk = jnp.asarray(rng.normal(size=(bq, bkv)) * 6, jnp.float32)
+  dp = jnp.asarray(rng.normal(size=(bq, bkv)) * np.where(rng.random(bkv) < 0.5, 1e6, 1.0),
+                   jnp.float32)
+  lse2 = jnp.asarray(rng.normal(size=bq) + 4, jnp.float32)
+  delta = jnp.asarray(rng.normal(size=bq), jnp.float32)
+  temp = jnp.asarray(rng.uniform(-2, 2, size=bq), jnp.float32) if with_temperature else None
+  q_pos, k_pos = tile_math.positions(q_start, bq), tile_math.positions(k_start, bkv)
+  q_seg, k_seg = jnp.asarray(seg[0, q_start:q_start + bq]), jnp.asarray(seg[0, k_start:k_start + bkv])
+  for fast_cap in ((False, True) if fast_forms(options.get("cap_method", "none")) else (False,)):
+    mask = tile_math.visible_mask(spec, q_pos, k_pos, q_seg, k_seg, padded=True)
+    mask_t = tile_math.visible_mask(spec, q_pos, k_pos, q_seg, k_seg, padded=True, query_axis=1)
+    np.testing.assert_array_equal(np.asarray(mask_t), np.asarray(mask).T)
+    logits = tile_math.scores_to_logits(spec, qk, temp, mask, fast_cap)
+    logits_t = tile_math.scores_to_logits(spec, qk.T, temp, mask_t, fast_cap, query_axis=1)
+    np.testing.assert_array_equal(np.asarray(logits_t.scores), np.asarray(logits.scores).T)
+    np.testing.assert_array_equal(np.asarray(tile_math.row_max(logits_t)),
+                                  np.asarray(tile_math.row_max(logits)))
+    p = tile_math.probabilities(logits, lse2)
+    p_t = tile_math.probabilities(logits_t, lse2)
+    np.testing.assert_array_equal(np.asarray(p_t), np.asarray(p).T)
+    ds = tile_math.logits_grad(spec, p, dp, delta, logits, temp, fast_cap)
+    ds_t = tile_math.logits_grad(spec, p_t, dp.T, delta, logits_t, temp, fast_cap)
+    np.testing.assert_array_equal(np.asarray(ds_t), np.asarray(ds).T)
+    # dk's operand: per key, a column of ds (axis 0) or a row of dsT (axis 1).
+    operand, back = tile_math.matmul_operand(ds, dtype, axis=0)
+    operand_t, back_t = tile_math.matmul_operand(ds_t, dtype, axis=1)
+    np.testing.assert_array_equal(np.asarray(operand_t, np.float32),
+                                  np.asarray(operand, np.float32).T)
+    assert (back is None) == (back_t is None) == (dtype == jnp.bfloat16)
+    if back is not None:
+      assert np.any(np.asarray(back) != 1.0), "no key's ds reached float16's scaling"
+      np.testing.assert_array_equal(np.asarray(back_t), np.asarray(back))

@@ -37,8 +37,7 @@ SHAPE_CLASSES = [
     (1, 256, 2, 2, 192, jnp.float16, dict(cap_method="hard", cap_params=(4.0,), sm_scale=-0.1)),
     (1, 100, 2, 2, 128, jnp.bfloat16, dict(cap_method="tanh", cap_params=(1000.0,))),
     (1, 1, 2, 2, 32, jnp.bfloat16, dict(causal=True, z_loss_weight=0.5)),
-    # Packed documents, and programs whose second warpgroup holds only padding
-    # (T=300 in 384 rows).
+    # Packed documents (three of about T/3 positions each).
     (2, 300, 4, 2, 64, jnp.bfloat16, dict(segment_ids=True, causal=True)),
     (1, 520, 2, 2, 128, jnp.float16, dict(segment_ids=True, window_len=100)),
 ]

@@ -28,7 +28,7 @@ from jax._src.pallas import core as pallas_core  # noqa: E402
 from jax._src.state import types as state_types  # noqa: E402
 
 from test_mosaic import SHAPE_CLASSES, _gpu_inputs  # noqa: E402
-from ua_kernels import KernelConfig, mosaic_backward, mosaic_forward  # noqa: E402
+from ua_kernels import KernelConfig, MosaicTiles, mosaic_backward, mosaic_forward  # noqa: E402
 
 attention_module = sys.modules["ua_kernels.attention"]
 
@@ -72,23 +72,41 @@ def interpreter_gaps(monkeypatch):
 
 
 def _close(name, got, want, dtype, eps=None):
-  """Within one rounding of the output dtype (or ``eps``) of each element, and a
-  quarter of one at the output's scale: the two kernels round the same
-  probabilities to 16 bits after other running maxima (other tile sizes) and
-  sum them in other orders, then round the results, which may fall on
-  neighbouring values. Off by 2% anywhere (a probability scaled by 1.02 in the
-  dk/dv kernel) fails."""
+  """Within one rounding of the output dtype (or ``eps``) of each element, plus
+  a quarter of one at the output's largest magnitude: the two kernels round the
+  same probabilities to 16 bits after other running maxima (other tile sizes)
+  and sum them in other orders, then round the results, which may fall on
+  neighbouring values. A probability scaled by 1.02 in the dk/dv kernel fails
+  eight of the ten classes with a Mosaic backward."""
   got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
   finite = np.isfinite(want)
   assert np.array_equal(np.isfinite(got), finite), f"{name}: infinities differ"
   eps = eps or float(jnp.finfo(dtype).eps)
   scale = float(np.max(np.abs(want[finite]), initial=0.0))
   np.testing.assert_allclose(got[finite], want[finite], rtol=eps,
-                             atol=eps / 4 * max(scale, 1.0), err_msg=name)
+                             atol=eps / 4 * scale, err_msg=name)
+
+
+# Other tilings than the defaults on a few classes: a third ring stage (also more
+# stages than a program has steps, T=1), 64-key dq tiles and forward key tiles,
+# 128-row forward and dk/dv query tiles.
+OTHER_TILINGS = [MosaicTiles(block_kv=64, stages=3, block_kv_dq=64, stages_bwd=3),
+                 MosaicTiles(block_q=128, block_q_dkv=128)]
+TILED_CLASSES = [SHAPE_CLASSES[i] for i in (1, 2, 5, 9)]
 
 
 @pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
 def test_mosaic_kernels_match_triton_in_the_interpreters(shape_class, interpreter_gaps):
+  _compare(shape_class, MosaicTiles())
+
+
+@pytest.mark.parametrize("tiles", OTHER_TILINGS, ids=["stages3-kv64", "q128"])
+@pytest.mark.parametrize("shape_class", TILED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_other_tilings_match_triton_in_the_interpreters(shape_class, tiles, interpreter_gaps):
+  _compare(shape_class, tiles)
+
+
+def _compare(shape_class, tiles):
   (q, k, v), inputs, options = _gpu_inputs(shape_class)
   spec, seg, temp = validate(q, k, v, **options, **inputs)
   temp = None if temp is None else temp.astype(jnp.float32)
@@ -100,7 +118,6 @@ def test_mosaic_kernels_match_triton_in_the_interpreters(shape_class, interprete
   dlse = jnp.asarray(rng.normal(size=lse2.shape), jnp.float32)
   grads = attention_module._backward(spec, triton, q, k, v, seg, temp, out, lse2, dout, dlse)
 
-  tiles = KernelConfig().mosaic
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
     out_m, lse2_m = mosaic_forward.forward(spec, tiles, q, k, v, seg, temp, fast_cap=fast_cap)
     if mosaic_backward.unsupported(spec, q.dtype) is None:

@@ -44,7 +44,7 @@ def triton_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
 mosaic_attention.ua_dtypes = tuple(jnp.dtype(d).name for d in mosaic_common.DTYPES)
 mosaic_attention.ua_head_dims = lambda d: d <= mosaic_forward.MAX_HEAD_DIM
 # A forward program's 2 x 64 query rows, key tiles of 128 (64 at head dims
-# over 128); the backward's tiles of 64.
+# over 128); the backward's tiles of 64 (dq's key tiles 128).
 mosaic_attention.ua_block_sizes = (64, 128)
 mosaic_attention.ua_cap_forms = cap_forms.fast_forms
 

@@ -20,8 +20,8 @@ are outside its own range ("drain": it waits for and releases the slot, and
 keeps the schedule barrier's count), since a barrier's phase is tracked by
 each waiting thread and must not be skipped.
 
-Outputs what the Triton forward does (out, base-2 lse per row), so the Triton
-backward runs on this forward's residuals unchanged.
+Outputs what the Triton forward does (out, base-2 lse per row), so either
+backend's backward runs on this forward's residuals.
 """
 
 from __future__ import annotations

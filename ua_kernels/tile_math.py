@@ -196,8 +196,8 @@ def scores_to_logits(spec: StaticSpec, qk, temp, mask, fast_cap: bool,
 
 
 def row_max(logits: Logits):
-  """Per-row max of the base-2 logits (scale > 0 commutes with max)."""
-  return jnp.max(logits.scores, axis=1) * logits.scale
+  """Per-query max of the base-2 logits (scale > 0 commutes with max)."""
+  return jnp.max(logits.scores, axis=1 - logits.query_axis) * logits.scale
 
 
 def exp2_shifted(logits: Logits, shift):
@@ -242,8 +242,9 @@ def matmul_operand(ds, dtype, axis: int):
   and ds passes it where w * lse or the temperature is large (z-loss 1 on rows
   with lse near 10^4, temperature near 50: |ds| up to 7.6e4), so the cast gave
   inf where the gradient is finite (docs/DEFECTS.md, F16). For float16 each
-  slice along ``axis`` (a query row for dq: axis 1; a key column for dk: axis
-  0) whose largest |ds| passes 2^15 is scaled by a power of two, exactly, and
+  slice along ``axis`` (a query row for dq: axis 1; a key column for the Triton
+  dk: axis 0; a key row of the Mosaic dk/dv kernel's keys-by-queries tile:
+  axis 1) whose largest |ds| passes 2^15 is scaled by a power of two, exactly, and
   the caller scales that row of the product back. Selects, not log2: a handful
   of per-slice operations."""
   if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
