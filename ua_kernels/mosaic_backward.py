@@ -42,7 +42,7 @@ from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
 from .kernel_config import MosaicTiles
-from .mosaic_common import load_vector
+from .mosaic_common import load_vector, position_tiles
 from .padding import pad
 from .tile_math import (kv_block_range, kv_tiles, logits_grad, matmul_operand, probabilities,
                         q_block_range, q_tiles, scaled_back, scores_to_logits, tile_loop,
@@ -59,12 +59,6 @@ def unsupported(spec: StaticSpec, dtype) -> str | None:
     return (f"the Mosaic backward takes head dims up to {MAX_HEAD_DIM}, not "
             f"{spec.head_dim}")
   return None
-
-
-def _position_tiles(plgpu, shape, q_start, k_start, query_axis: int):
-  """(query positions, key positions) of a score tile, in wgmma's layout."""
-  iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
-  return q_start + iota(query_axis), k_start + iota(1 - query_axis)
 
 
 def _accumulate(plgpu, acc, a, b_smem, back):
@@ -166,7 +160,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
                                   do_smem, v_smem.at[s].transpose((1, 0)), (bq, bkv))
         mask = None
         if masked:
-          q_pos, k_pos = _position_tiles(plgpu, (bq, bkv), q_start, kb * bkv, 0)
+          q_pos, k_pos = position_tiles((bq, bkv), q_start, kb * bkv, 0)
           seg_k = (load_vector(seg_ref.at[bi, pl.ds(kb * bkv, bkv)], col_layout)
                    if has_seg else None)
           mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded)
@@ -256,7 +250,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         temp_q = row(TEMP) if has_temp else None
         mask = None
         if masked:
-          q_pos, k_pos = _position_tiles(plgpu, (bkv, bq), q_start, k_start, 1)
+          q_pos, k_pos = position_tiles((bkv, bq), q_start, k_start, 1)
           seg_q = (load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], col_layout)
                    if has_seg else None)
           mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded, query_axis=1)

@@ -34,6 +34,14 @@ def load_vector(ref, layout):
   return mgpu.load(ref, layout=layout, optimized=False)
 
 
+def position_tiles(shape, q_start, k_start, query_axis: int):
+  """(query positions, key positions) of a score tile in wgmma's layout, for
+  tile_math.visible_mask; the tile holds queries along ``query_axis``."""
+  mgpu = plgpu()
+  iota = lambda axis: mgpu.broadcasted_iota(jnp.int32, shape, axis, layout=mgpu.Layout.WGMMA)
+  return q_start + iota(query_axis), k_start + iota(1 - query_axis)
+
+
 def swizzled():
   """The transforms of a 16-bit [rows, head_dim] tile in shared memory, as
   TMA writes it and wgmma reads it."""

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
-from .mosaic_common import load_vector
+from .mosaic_common import load_vector, position_tiles
 from .kernel_config import MosaicTiles
 from .padding import pad
 from .softmax_state import SoftmaxState
@@ -137,10 +137,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
         plgpu.barrier_arrive(k_free.at[s])
         mask = None
         if masked:
-          shape = (block_q, block_kv)
-          q_pos = q_start + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-          k_pos = kb * block_kv + plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                                          layout=plgpu.Layout.WGMMA)
+          q_pos, k_pos = position_tiles((block_q, block_kv), q_start, kb * block_kv, 0)
           k_seg = (load_vector(seg_ref.at[bi, pl.ds(kb * block_kv, block_kv)],
                                 col_layout) if has_seg else None)
           mask = visible_mask(spec, q_pos, k_pos, q_seg, k_seg, padded=padded)

@@ -48,11 +48,6 @@ def along_rows(x, like):
   return lax.broadcast_in_dim(x, like.shape, (0,))
 
 
-def along_cols(x, like):
-  """A per-column vector ([block_kv]) broadcast to the tile ``like``."""
-  return lax.broadcast_in_dim(x, like.shape, (1,))
-
-
 def along_queries(x, like, query_axis: int):
   """A per-query vector broadcast to the tile ``like``, whose queries lie
   along ``query_axis`` (Logits.query_axis)."""
