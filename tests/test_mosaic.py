@@ -122,7 +122,7 @@ def test_dispatch():
     assert forward_backend(spec, KernelConfig(), jnp.bfloat16) == "mosaic"
     assert forward_backend(spec, KernelConfig(), jnp.float32) == "triton"
     assert forward_backend(_spec(segment_ids=jnp.zeros((1, 16), jnp.int32)), KernelConfig(),
-                           jnp.bfloat16) == "triton"
+                           jnp.bfloat16) == "mosaic"
 
 
 @pytest.mark.parametrize("dtype, d, match", [(jnp.float32, 128, "bfloat16 and float16"),

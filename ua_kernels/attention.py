@@ -138,8 +138,8 @@ def _is_hopper() -> bool:
 
 def forward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
   """"mosaic" or "triton": the kernels of the forward for this call and config
-  (KernelConfig.backend). "auto" takes Mosaic on Hopper for 16-bit inputs,
-  head dims up to 256 and no segment ids."""
+  (KernelConfig.backend). "auto" takes Mosaic on Hopper for 16-bit inputs and
+  head dims up to 256."""
   if config.backend == "triton":
     return "triton"
   why = mosaic_forward.unsupported(spec, dtype)
@@ -150,10 +150,7 @@ def forward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
       raise ValueError("KernelConfig(backend='mosaic') cannot run in the Pallas interpreter "
                        "(interpret=True)")
     return "mosaic"
-  # Packed documents stay on Triton: its kernels visit only the tiles of a
-  # tile's own documents (segment spans), the Mosaic ones every tile of the
-  # causal/window band (docs/BENCHMARKS.md, "Packed documents on Mosaic").
-  if why is None and not spec.has_segment_ids and not _interpret(config) and _is_hopper():
+  if why is None and not _interpret(config) and _is_hopper():
     return "mosaic"
   return "triton"
 

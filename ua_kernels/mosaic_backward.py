@@ -25,7 +25,7 @@ registers for dv += pT dO and dk += dsT Q: its tiles hold queries along axis 1
 Every rule of the contract comes from tile_math, shared with the Triton
 kernels: scores_to_logits, visible_mask, probabilities, logits_grad (the cap's
 derivative from the registry), matmul_operand (float16's range), and the tile
-ranges q_tiles/kv_tiles. Head dims up to 128: at 256 the dk and dv
+ranges q_tiles/kv_tiles (with segment ids, within the tile's documents' spans). Head dims up to 128: at 256 the dk and dv
 accumulators of one warpgroup's 64 keys alone need 256 registers per thread.
 """
 
@@ -42,11 +42,12 @@ from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
 from .kernel_config import MosaicTiles
-from .mosaic_common import load_vector, position_tiles
+from .mosaic_common import (load_vector, own_tiles, position_tiles, program_span,
+                            program_tiles, tile_spans, warpgroup_span)
 from .padding import pad
-from .tile_math import (kv_block_range, kv_tiles, logits_grad, matmul_operand, probabilities,
-                        q_block_range, q_tiles, scaled_back, scores_to_logits, tile_loop,
-                        visible_mask)
+from .segment_spans import segment_spans
+from .tile_math import (kv_tiles, logits_grad, matmul_operand, probabilities, q_tiles,
+                        scaled_back, scores_to_logits, tile_loop, visible_mask)
 
 MAX_HEAD_DIM = 128
 
@@ -102,6 +103,12 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
 
   q, k, v, dout = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v, dout))
   has_seg, has_temp = seg is not None, temp is not None
+  spans = segment_spans(seg, seq_pad) if has_seg else None
+  # Each kernel reads the spans of its warpgroups' tiles (query tiles for dq,
+  # key tiles for dk/dv).
+  spans_dq, spans_dkv = ((tile_spans(spans, bq_dq), tile_spans(spans, bkv_dkv)) if has_seg else
+                         (jnp.zeros((b, seq_pad // bq_dq, 2), jnp.int32),
+                          jnp.zeros((b, seq_pad // bkv_dkv, 2), jnp.int32)))
   seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)
   # Per-query rows of each head, [B, Hq, R, T_pad]: the dk/dv kernel's TMA
   # warpgroup copies a query tile's lse, delta (and temperature) at once.
@@ -118,7 +125,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   params = plgpu.CompilerParams(approx_math=mosaic_common.approx_math(spec, fast_cap),
                                 lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
-  def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, dq_ref,
+  def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dq_ref,
                 q_smem2, do_smem2, k_smem, v_smem,
                 q_loaded, do_loaded, k_loaded, v_loaded, kv_free):
     bq, bkv = bq_dq, bkv_dq
@@ -127,7 +134,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     tile = lax.axis_index("q_tiles")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(group))
-    cta_lo, cta_hi = kv_block_range(spec_padded, tile * 2 * bq, 2 * bq, bkv)
+    cta_lo, cta_hi = program_tiles(kv_tiles(
+        spec_padded, tile * 2 * bq, 2 * bq, bkv, padded,
+        program_span(spans_ref, bi, tile, has_seg)))
     slot = lambda kb: lax.rem(kb - cta_lo, jnp.int32(stages))
 
     @pl.when(wg < 2)
@@ -173,7 +182,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         return dq
 
       dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      lo, full_lo, full_hi, hi = kv_tiles(spec_padded, q_start, bq, bkv, padded)
+      lo, full_lo, full_hi, hi = own_tiles(kv_tiles(
+          spec_padded, q_start, bq, bkv, padded,
+          warpgroup_span(spans_ref, bi, tile, wg, has_seg)), cta_lo, cta_hi)
       dq = lax.fori_loop(cta_lo, lo, drain, dq)
       dq = tile_loop((lo, full_lo, full_hi, hi), visit, dq)
       dq = lax.fori_loop(hi, cta_hi, drain, dq)
@@ -202,7 +213,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       def _(kb):  # the last release of every slot (mosaic_forward)
         plgpu.barrier_wait(kv_free.at[slot(kb)])
 
-  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, dk_ref, dv_ref,
+  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dk_ref, dv_ref,
                  k_smem2, v_smem2, q_smem, do_smem, rows_smem,
                  k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free):
     bq, bkv = bq_dkv, bkv_dkv
@@ -210,7 +221,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     kv_head = lax.axis_index("heads")
     tile = lax.axis_index("kv_tiles")
     wg = lax.axis_index("wg")
-    cta_lo, cta_hi = q_block_range(spec_padded, tile * 2 * bkv, bq, 2 * bkv)
+    cta_lo, cta_hi = program_tiles(q_tiles(
+        spec_padded, tile * 2 * bkv, bq, 2 * bkv, padded,
+        program_span(spans_ref, bi, tile, has_seg)))
     # The streamed steps: step n is query tile n // group of query head
     # kv_head * group + n % group.
     first, last = cta_lo * group, cta_hi * group
@@ -267,7 +280,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         return lax.fori_loop(0, group, lambda g, c: visit(qb, g, c, masked), carry)
 
       zeros = plgpu.layout_cast(jnp.zeros((bkv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      lo, full_lo, full_hi, hi = q_tiles(spec_padded, k_start, bq, bkv, padded)
+      lo, full_lo, full_hi, hi = own_tiles(q_tiles(
+          spec_padded, k_start, bq, bkv, padded,
+          warpgroup_span(spans_ref, bi, tile, wg, has_seg)), cta_lo, cta_hi)
       carry = lax.fori_loop(first, lo * group, drain, (zeros, zeros))
       carry = tile_loop((lo, full_lo, full_hi, hi), query_tile, carry)
       dk, dv = lax.fori_loop(hi * group, last, drain, carry)
@@ -349,7 +364,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   dq = dk = dv = None
   with fast_math.native("mosaic"):
     if "dq" in kernels:
-      dq = dq_call(q, k, v, dout, rows, seg)[:, :t, :, :d]
+      dq = dq_call(q, k, v, dout, rows, seg, spans_dq)[:, :t, :, :d]
     if "dkv" in kernels:
-      dk, dv = (x[:, :t, :, :d] for x in dkv_call(q, k, v, dout, rows, seg))
+      dk, dv = (x[:, :t, :, :d] for x in dkv_call(q, k, v, dout, rows, seg, spans_dkv))
   return dq, dk, dv

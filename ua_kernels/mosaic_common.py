@@ -42,6 +42,56 @@ def position_tiles(shape, q_start, k_start, query_axis: int):
   return q_start + iota(query_axis), k_start + iota(1 - query_axis)
 
 
+def tile_spans(spans, block: int):
+  """[B, T_pad / block, 2] int32: for each tile of ``block`` positions, [lo, hi)
+  of the positions that share a segment with some position of the tile
+  (segment_spans' [B, 2, T_pad] ``spans``). Computed outside the kernels,
+  which read them as scalars: a reduction of a vector to a scalar inside a
+  Mosaic kernel goes through one shared-memory scratch area, which
+  warpgroups reducing at once would share."""
+  b, _, t = spans.shape
+  per_tile = spans.reshape(b, 2, t // block, block)
+  return jnp.stack([per_tile[:, 0].min(axis=-1), per_tile[:, 1].max(axis=-1)],
+                   axis=-1).astype(jnp.int32)
+
+
+def warpgroup_span(ranges_ref, batch, program, warpgroup, has_segments: bool):
+  """The span of the tile a compute warpgroup owns (tile 2 * program + warpgroup
+  of tile_spans' ``ranges_ref``) as two scalars, for tile_math's ``span``; None
+  without segment ids."""
+  if not has_segments:
+    return None
+  tile = 2 * program + warpgroup
+  return ranges_ref[batch, tile, 0], ranges_ref[batch, tile, 1]
+
+
+def program_span(ranges_ref, batch, program, has_segments: bool):
+  """The union of the spans of a program's two warpgroup tiles (None without
+  segment ids)."""
+  if not has_segments:
+    return None
+  lo0, hi0 = warpgroup_span(ranges_ref, batch, program, 0, True)
+  lo1, hi1 = warpgroup_span(ranges_ref, batch, program, 1, True)
+  return jnp.minimum(lo0, lo1), jnp.maximum(hi0, hi1)
+
+
+def own_tiles(tiles, program_lo, program_hi):
+  """A warpgroup's tile range (tile_math.kv_tiles/q_tiles) clipped into its
+  program's [program_lo, program_hi), with hi >= lo. A warpgroup drains the
+  program's tiles outside its own range, so the two must nest: a warpgroup
+  whose rows are all padding has an empty segment span, lo > hi, which would
+  drain tiles twice or ones never loaded."""
+  lo, full_lo, full_hi, hi = tiles
+  lo = jnp.clip(lo, program_lo, program_hi)
+  return lo, full_lo, full_hi, jnp.clip(hi, lo, program_hi)
+
+
+def program_tiles(tiles):
+  """(lo, hi) of a program's tile range, hi >= lo (tiles as own_tiles)."""
+  lo, _, _, hi = tiles
+  return lo, jnp.maximum(hi, lo)
+
+
 def swizzled():
   """The transforms of a 16-bit [rows, head_dim] tile in shared memory, as
   TMA writes it and wgmma reads it."""

@@ -13,8 +13,9 @@ Every masking and capping rule comes from tile_math, as in the Triton kernels:
 the logits are tile_math.scores_to_logits of the wgmma's scores, the mask is
 tile_math.visible_mask of position tiles, the online softmax is
 SoftmaxState.step, and the key-tile ranges are tile_math.kv_tiles (causal and
-window tiles outside the band are never loaded; the fully visible ones run
-without a mask). The memory warpgroup loads the union of both compute
+window tiles outside the band, and with segment ids the tiles outside the spans
+of a tile's documents, are never loaded; the fully visible ones run without a
+mask). The memory warpgroup loads the union of both compute
 warpgroups' ranges; a compute warpgroup passes over tiles of that union that
 are outside its own range ("drain": it waits for and releases the slot, and
 keeps the schedule barrier's count), since a barrier's phase is tracked by
@@ -36,12 +37,13 @@ from jax.experimental import pallas as pl
 from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
-from .mosaic_common import load_vector, position_tiles
+from .mosaic_common import (load_vector, own_tiles, position_tiles, program_span,
+                            program_tiles, tile_spans, warpgroup_span)
 from .kernel_config import MosaicTiles
 from .padding import pad
+from .segment_spans import segment_spans
 from .softmax_state import SoftmaxState
-from .tile_math import fixed_shift, kv_block_range, kv_tiles, scores_to_logits, tile_loop, \
-    visible_mask
+from .tile_math import fixed_shift, kv_tiles, scores_to_logits, tile_loop, visible_mask
 
 # 256 is the largest head dim whose tiles fit the shared memory.
 MAX_HEAD_DIM = 256
@@ -74,6 +76,8 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
 
   q, k, v = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
   has_seg, has_temp = seg is not None, temp is not None
+  spans = (tile_spans(segment_spans(seg, seq_pad), block_q) if has_seg
+           else jnp.zeros((b, seq_pad // block_q, 2), jnp.int32))
   seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)
   temp = (pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad}) if has_temp
           else jnp.zeros((b, hq, seq_pad), jnp.float32))
@@ -84,7 +88,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-  def kernel(q_ref, k_ref, v_ref, seg_ref, temp_ref, out_ref, lse_ref,
+  def kernel(q_ref, k_ref, v_ref, seg_ref, spans_ref, temp_ref, out_ref, lse_ref,
              q_smem2, k_smem, v_smem, lse_smem2,
              q_loaded, k_loaded, v_loaded, k_free, v_free, schedule):
     bi = lax.axis_index("batch")
@@ -92,7 +96,9 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
     tile = lax.axis_index("q_tiles")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(group))
-    cta_lo, cta_hi = kv_block_range(spec_padded, tile * rows, rows, block_kv)
+    cta_lo, cta_hi = program_tiles(kv_tiles(
+        spec_padded, tile * rows, rows, block_kv, padded,
+        program_span(spans_ref, bi, tile, has_seg)))
 
     def slot(kb):
       return lax.rem(kb - cta_lo, jnp.int32(stages))
@@ -161,7 +167,9 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
                                      jnp.float32), row_layout),
           plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout),
           plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA))
-      lo, full_lo, full_hi, hi = kv_tiles(spec_padded, q_start, block_q, block_kv, padded)
+      lo, full_lo, full_hi, hi = own_tiles(kv_tiles(
+          spec_padded, q_start, block_q, block_kv, padded,
+          warpgroup_span(spans_ref, bi, tile, wg, has_seg)), cta_lo, cta_hi)
       pl.when(wg == 1)(schedule_sync)
       state = lax.fori_loop(cta_lo, lo, drain, state)
       state = tile_loop((lo, full_lo, full_hi, hi), visit, state)
@@ -233,5 +241,5 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       kernel_name="ua_forward_mosaic",
   )
   with fast_math.native("mosaic"):
-    out, lse2 = call(q, k, v, seg, temp)
+    out, lse2 = call(q, k, v, seg, spans, temp)
   return out[:, :t, :, :d], lse2[:, :, :t]
