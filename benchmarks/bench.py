@@ -212,9 +212,82 @@ CONFIGS = {
 }
 
 
+# --set features: each option of the contract added to one plain shape, timed
+# in one round-robin group with the plain call (ua_kernels as it dispatches),
+# for the target "each at >= 0.9x the plain configuration's speed". TFLOP/s
+# count visible pairs, so packed documents are compared per useful FLOP.
+FEATURE_SHAPES = [(4, 4096, 16, 128, False), (4, 4096, 16, 128, True)]  # B, T, H, D, causal
+FEATURES = {
+    "plain": {},
+    "segment ids, 1 document": {"documents": 1},
+    "segment ids, 4 documents": {"documents": 4},
+    "temperature": {"temperature": True},
+    "z-loss 1e-4": {"z_loss_weight": 1e-4},
+    "GQA 16/4": {"kv_heads": 4},
+}
+
+
+def feature_rows(args):
+  """Rows of --set features: every FEATURES entry of each FEATURE_SHAPES shape,
+  timed together (time_interleaved) so that their ratios to "plain" hold."""
+  rows = []
+  for b, t, h, d, causal in FEATURE_SHAPES:
+    rng = np.random.default_rng(0)
+    dtype = jnp.dtype(args.dtype)
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
+    kv = {hkv: tuple(jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype) for _ in range(2))
+          for hkv in {h, *(f.get("kv_heads", h) for f in FEATURES.values())}}
+    temperature = jnp.asarray(rng.uniform(0.5, 2.0, size=(b, t, h)), jnp.float32)
+    impls, flops, configs = {}, {}, {}
+    for name, feature in FEATURES.items():
+      doc = t // feature["documents"] if "documents" in feature else 0
+      seg = None if not doc else jnp.asarray(np.repeat(np.arange(t // doc), doc)[None].repeat(b, 0))
+      kw = dict(causal=causal, segment_ids=seg,
+                temperature=temperature if feature.get("temperature") else None,
+                z_loss_weight=feature.get("z_loss_weight", 0.0))
+      k, v = kv[feature.get("kv_heads", h)]
+      spec = validate(q, k, v, **kw)[0]
+      config = default_config(spec, q.dtype)
+      configs[name] = {**dataclasses.asdict(config),
+                       "forward": forward_backend(spec, config, q.dtype),
+                       "backward": backward_backend(spec, config, q.dtype)}
+      impls[name] = (functools.partial(ua_kernels.attention, **kw), (q, k, v))
+      flops[name] = 4 * b * h * d * visible_pairs(t, causal, 0, doc)
+    # Each call takes its own arguments (GQA's k and v have fewer heads), bound
+    # outside jit so that q, k and v stay arguments, and every gradient is computed.
+    bound = lambda wrap: {n: functools.partial(lambda fn, a: fn(*a), wrap(f), a)
+                          for n, (f, a) in impls.items()}
+    fwd = time_interleaved(bound(jax.jit), (), args.repeats)
+    bwd = time_interleaved(bound(_fwd_bwd), (), args.repeats)
+    label = f"B{b} T{t} H{h} D{d}" + ("" if args.dtype == "bfloat16" else " f16") + \
+        (" causal" if causal else "")
+    for name in impls:
+      if any(isinstance(r, Exception) for r in (fwd[name], bwd[name])):
+        failed = next(r for r in (fwd[name], bwd[name]) if isinstance(r, Exception))
+        rows.append({"case": f"{label} {name}", "impl": "ua_kernels", "config": configs[name],
+                     "error": f"{type(failed).__name__}: {failed}"[:200]})
+        continue
+      rows.append({"case": f"{label} {name}", "impl": "ua_kernels", "config": configs[name],
+                   "feature": name, "fwd_ms": fwd[name], "fwd_bwd_ms": bwd[name],
+                   "fwd_tflops": flops[name] / fwd[name] / 1e9,
+                   "fwd_bwd_tflops": 3.5 * flops[name] / bwd[name] / 1e9})
+  return rows
+
+
+def print_feature_ratios(rows):
+  """Each feature's TFLOP/s over the plain call's of the same shape."""
+  plain = {r["case"][:-len(" plain")]: r for r in rows
+           if r.get("feature") == "plain"}
+  for r in rows:
+    base = plain.get(r["case"][:-len(r.get("feature", "")) - 1])
+    if base and r.get("feature") not in (None, "plain"):
+      print(f"ratio {r['case']:56} vs plain  fwd {r['fwd_tflops'] / base['fwd_tflops']:.2f}x  "
+            f"fwd+bwd {r['fwd_bwd_tflops'] / base['fwd_bwd_tflops']:.2f}x")
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(prog="ua-bench", description=__doc__)
-  parser.add_argument("--set", default="quick", choices=sorted(CONFIGS))
+  parser.add_argument("--set", default="quick", choices=sorted([*CONFIGS, "features"]))
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--no-peers", action="store_true")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
@@ -222,8 +295,8 @@ def main(argv=None):
   parser.add_argument("--json", default="bench.json")
   args = parser.parse_args(argv)
   header = provenance(argv)
-  rows = []
-  for b, t, hq, hkv, d, causal, window, cap, doc in CONFIGS[args.set]:
+  rows = feature_rows(args) if args.set == "features" else []
+  for b, t, hq, hkv, d, causal, window, cap, doc in CONFIGS.get(args.set, ()):
     rng = np.random.default_rng(0)
     dtype = jnp.dtype(args.dtype)
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
@@ -274,15 +347,17 @@ def main(argv=None):
                      "fwd_bwd_tflops": 3.5 * flops / flex[1] / 1e9})
   print(f"date={header['measured'][:10]} device={header['gpu']} commit={header['commit']} "
         + " ".join(f"{k}={v}" for k, v in header["versions"].items()))
-  print(f"{'config':38} {'impl':20} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'f+b TF/s':>9} "
+  width = max([38, *(len(r["case"]) for r in rows)])
+  print(f"{'config':{width}} {'impl':20} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'f+b TF/s':>9} "
         f"{'peak GiB':>8}")
   for r in rows:
     if "error" in r:
-      print(f"{r['case']:38} {r['impl']:20} error: {r['error'][:60]}")
+      print(f"{r['case']:{width}} {r['impl']:20} error: {r['error'][:60]}")
     else:
-      print(f"{r['case']:38} {r['impl']:20} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
+      print(f"{r['case']:{width}} {r['impl']:20} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
             f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_tflops']:9.1f} {r.get('peak_gib_so_far', 0):8.1f}")
   print_target_ratios(rows)
+  print_feature_ratios(rows)
   with open(args.json, "w") as f:
     json.dump({**header, "rows": rows}, f, indent=1)
 
