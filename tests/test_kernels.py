@@ -9,7 +9,7 @@ import pytest
 
 import ua_kernels
 from ua_kernels import KernelConfig
-from ua_kernels.segment_spans import segment_spans
+from ua_kernels.segment_spans import segment_runs, segment_spans
 from ua_reference.contract import validate
 from ua_kernels.tile_math import kv_block_range, q_block_range
 from properties.runner import x64
@@ -186,6 +186,62 @@ def test_segment_spans_skip_only_tiles_without_a_visible_pair(segments, causal, 
     assert not (needed & ~visited).any()
     if segments == "packed":
       np.testing.assert_array_equal(visited, needed)
+
+
+@pytest.mark.parametrize("segments", ["packed", "random", "alternating"])
+@pytest.mark.parametrize("causal, window", [(False, 0), (True, 0), (True, 9), (False, 17)])
+@pytest.mark.parametrize("bq, bkv", [(16, 8), (8, 16)])
+def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, window, bq, bkv):
+  """With segment ids and their runs (segment_runs: the positions around each
+  one holding its id), the tiles the kernels run unmasked hold only visible
+  pairs, and every tile pair that lies inside one run and the causal/window
+  band is among them. "alternating": ids 0, 1, 0, 1 in runs of 12, so that a
+  segment's extent (its span) holds the other's runs, which a span taken for
+  a run would leave unmasked."""
+  from ua_kernels.tile_math import kv_tiles, q_tiles
+  t = 96
+  rng = np.random.default_rng(5)
+  if segments == "packed":
+    seg = np.repeat(np.arange(t), rng.choice([1, 3, 20, 40], size=t))[:t]
+  elif segments == "random":
+    seg = rng.integers(0, 3, size=t)
+  else:
+    seg = (np.arange(t) // 12) % 2
+  spans = np.asarray(segment_spans(jnp.asarray(seg[None], jnp.int32), t))[0]
+  runs = np.asarray(segment_runs(jnp.asarray(seg[None], jnp.int32), t))[0]
+  for i in range(t):
+    run = seg[runs[0, i]:runs[1, i]]
+    assert (run == seg[i]).all() and runs[0, i] <= i < runs[1, i]
+    assert runs[0, i] == 0 or seg[runs[0, i] - 1] != seg[i]
+    assert runs[1, i] == t or seg[runs[1, i]] != seg[i]
+  spec = validate(*(np.zeros((1, t, 1, 16), np.float32),) * 3, causal=causal, window_len=window,
+                  segment_ids=seg[None])[0]
+  mask = np.asarray(visible_keys(t, jnp.asarray(seg[None]), causal, window))[0]
+  band = np.asarray(visible_keys(t, None, causal, window))[0]
+  span = lambda start, size: (jnp.int32(spans[0, start:start + size].min()),
+                              jnp.int32(spans[1, start:start + size].max()))
+  uniform = lambda start, size: (jnp.int32(runs[0, start:start + size].max()),
+                                 jnp.int32(runs[1, start:start + size].min()))
+  in_one_run = lambda rows, cols: (seg[rows] == seg[rows][0]).all() and (
+      seg[cols] == seg[rows][0]).all() and len(set(runs[0, np.r_[rows, cols]])) == 1
+  for by_query in (True, False):
+    block, other = (bq, bkv) if by_query else (bkv, bq)
+    for a in range(t // block):
+      tiles = (kv_tiles if by_query else q_tiles)(
+          spec, jnp.int32(a * block), bq, bkv, False, span(a * block, block),
+          uniform(a * block, block))
+      lo, full_lo, full_hi, hi = (int(x) for x in tiles)
+      assert lo <= full_lo <= full_hi <= hi
+      for c in range(t // other):
+        rows = np.arange(a * block, (a + 1) * block)
+        cols = np.arange(c * other, (c + 1) * other)
+        if not by_query:
+          rows, cols = cols, rows
+        unmasked = full_lo <= c < full_hi
+        if unmasked:
+          assert mask[np.ix_(rows, cols)].all(), (by_query, a, c)
+        elif band[np.ix_(rows, cols)].all() and in_one_run(rows, cols):
+          raise AssertionError(f"tile pair {(a, c)} inside one run and the band is masked")
 
 
 def test_float32_gqa_group_sum_is_as_accurate_as_mha():

@@ -40,6 +40,11 @@ SHAPE_CLASSES = [
     # Packed documents (three of about T/3 positions each).
     (2, 300, 4, 2, 64, jnp.bfloat16, dict(segment_ids=True, causal=True)),
     (1, 520, 2, 2, 128, jnp.float16, dict(segment_ids=True, window_len=100)),
+    # Two ids alternating in runs of the given length, unpadded lengths: the
+    # tiles inside one run run unmasked, and each id's extent holds the
+    # other's runs.
+    (1, 512, 2, 2, 64, jnp.bfloat16, dict(segment_ids=128)),
+    (2, 512, 4, 2, 128, jnp.float16, dict(segment_ids=96, causal=True)),
 ]
 
 
@@ -162,8 +167,11 @@ def _gpu_inputs(shape_class, seed=0):
   q, k, v = (jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in args)
   inputs = {}
   if "segment_ids" in extra:
-    inputs["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, size=extra["segment_ids"].shape)),
-                                        jnp.int32)
+    b, t = extra["segment_ids"].shape
+    layout = shape_class[6]["segment_ids"]
+    ids = (np.sort(rng.integers(0, 3, size=(b, t))) if layout is True
+           else np.broadcast_to((np.arange(t) // layout) % 2, (b, t)))
+    inputs["segment_ids"] = jnp.asarray(ids, jnp.int32)
   if "temperature" in extra:
     inputs["temperature"] = jnp.asarray(rng.uniform(0.5, 2.0, size=extra["temperature"].shape),
                                         jnp.float32)

@@ -28,13 +28,16 @@ def _segment_tile(seg_ref, start, size):
 
 
 def _segment_span(span_ref, start, size):
-  """[lo, hi): the positions that share a segment with some position of the
-  tile at ``start`` (ua_kernels.attention._segment_spans), None without
-  segment ids. The tile loops skip tiles outside it: packed documents visit
-  only the tiles of their own documents."""
+  """(span, uniform) of the tile at ``start``, for tile_math.kv_tiles/q_tiles:
+  [lo, hi) of the positions that share a segment with some position of the
+  tile (segment_spans), and of the run of one id holding the whole tile,
+  empty if none does (segment_runs); (None, None) without segment ids. The
+  tile loops skip tiles outside the span (packed documents visit only the
+  tiles of their own documents) and run those inside the run unmasked."""
   if span_ref is None:
-    return None
-  return jnp.min(span_ref[0, pl.ds(start, size)]), jnp.max(span_ref[1, pl.ds(start, size)])
+    return None, None
+  tile = lambda row: span_ref[row, pl.ds(start, size)]
+  return (jnp.min(tile(0)), jnp.max(tile(1))), (jnp.max(tile(2)), jnp.min(tile(3)))
 
 
 class _QueryTile(NamedTuple):
@@ -84,7 +87,7 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, o_ref, lse2
     return state.update(logits, _value_tile(v_ref, kv_block, block_kv), shift)
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
-                   _segment_span(span_ref, qt.start, block_q))
+                   *_segment_span(span_ref, qt.start, block_q))
   state = tile_loop(tiles, body, SoftmaxState.init(block_q, qt.q.shape[-1], shift))
   out, lse2 = state.finalize()
   o_ref[...] = out.astype(o_ref.dtype)
@@ -111,7 +114,7 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref
     return dq + scaled_back(term, back)
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
-                   _segment_span(span_ref, qt.start, block_q))
+                   *_segment_span(span_ref, qt.start, block_q))
   dq = tile_loop(tiles, body, jnp.zeros(qt.q.shape, jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
@@ -141,7 +144,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
   k_pos = positions(k_start, block_kv)
   k_seg = _segment_tile(seg_ref, k_start, block_kv)
   tiles = q_tiles(spec, k_start, block_q, block_kv, padded,
-                  _segment_span(span_ref, k_start, block_kv))
+                  *_segment_span(span_ref, k_start, block_kv))
 
   def add_head_tile(g, q_block, carry, masked):
     """Adds head g's terms of query tile q_block to (dk, dv)."""

@@ -25,8 +25,9 @@ registers for dv += pT dO and dk += dsT Q: its tiles hold queries along axis 1
 Every rule of the contract comes from tile_math, shared with the Triton
 kernels: scores_to_logits, visible_mask, probabilities, logits_grad (the cap's
 derivative from the registry), matmul_operand (float16's range), and the tile
-ranges q_tiles/kv_tiles (with segment ids, within the tile's documents' spans). Head dims up to 128: at 256 the dk and dv
-accumulators of one warpgroup's 64 keys alone need 256 registers per thread.
+ranges q_tiles/kv_tiles (with segment ids, within the spans of the tile's
+documents, and without a mask inside its run of one id). Head dims up to 128:
+at 256 the dk and dv accumulators of one warpgroup's 64 keys alone need 256 registers per thread.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from .kernel_config import MosaicTiles
 from .mosaic_common import (load_vector, own_tiles, position_tiles, program_span,
                             program_tiles, tile_spans, warpgroup_span)
 from .padding import pad
-from .segment_spans import segment_spans
+from .segment_spans import segment_runs, segment_spans
 from .tile_math import (kv_tiles, logits_grad, matmul_operand, probabilities, q_tiles,
                         scaled_back, scores_to_logits, tile_loop, visible_mask)
 
@@ -103,12 +104,14 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
 
   q, k, v, dout = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v, dout))
   has_seg, has_temp = seg is not None, temp is not None
-  spans = segment_spans(seg, seq_pad) if has_seg else None
+  spans, runs = ((segment_spans(seg, seq_pad), segment_runs(seg, seq_pad)) if has_seg
+                 else (None, None))
   # Each kernel reads the spans of its warpgroups' tiles (query tiles for dq,
   # key tiles for dk/dv).
-  spans_dq, spans_dkv = ((tile_spans(spans, bq_dq), tile_spans(spans, bkv_dkv)) if has_seg else
-                         (jnp.zeros((b, seq_pad // bq_dq, 2), jnp.int32),
-                          jnp.zeros((b, seq_pad // bkv_dkv, 2), jnp.int32)))
+  spans_dq, spans_dkv = (
+      (tile_spans(spans, runs, bq_dq), tile_spans(spans, runs, bkv_dkv)) if has_seg else
+      (jnp.zeros((b, seq_pad // bq_dq, 4), jnp.int32),
+       jnp.zeros((b, seq_pad // bkv_dkv, 4), jnp.int32)))
   seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)
   # Per-query rows of each head, [B, Hq, R, T_pad]: the dk/dv kernel's TMA
   # warpgroup copies a query tile's lse, delta (and temperature) at once.
@@ -184,7 +187,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
       lo, full_lo, full_hi, hi = own_tiles(kv_tiles(
           spec_padded, q_start, bq, bkv, padded,
-          warpgroup_span(spans_ref, bi, tile, wg, has_seg)), cta_lo, cta_hi)
+          *warpgroup_span(spans_ref, bi, tile, wg, has_seg)), cta_lo, cta_hi)
       dq = lax.fori_loop(cta_lo, lo, drain, dq)
       dq = tile_loop((lo, full_lo, full_hi, hi), visit, dq)
       dq = lax.fori_loop(hi, cta_hi, drain, dq)
@@ -282,7 +285,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       zeros = plgpu.layout_cast(jnp.zeros((bkv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
       lo, full_lo, full_hi, hi = own_tiles(q_tiles(
           spec_padded, k_start, bq, bkv, padded,
-          warpgroup_span(spans_ref, bi, tile, wg, has_seg)), cta_lo, cta_hi)
+          *warpgroup_span(spans_ref, bi, tile, wg, has_seg)), cta_lo, cta_hi)
       carry = lax.fori_loop(first, lo * group, drain, (zeros, zeros))
       carry = tile_loop((lo, full_lo, full_hi, hi), query_tile, carry)
       dk, dv = lax.fori_loop(hi * group, last, drain, carry)

@@ -42,27 +42,32 @@ def position_tiles(shape, q_start, k_start, query_axis: int):
   return q_start + iota(query_axis), k_start + iota(1 - query_axis)
 
 
-def tile_spans(spans, block: int):
-  """[B, T_pad / block, 2] int32: for each tile of ``block`` positions, [lo, hi)
+def tile_spans(spans, runs, block: int):
+  """[B, T_pad / block, 4] int32: for each tile of ``block`` positions, [lo, hi)
   of the positions that share a segment with some position of the tile
-  (segment_spans' [B, 2, T_pad] ``spans``). Computed outside the kernels,
+  (segment_spans' [B, 2, T_pad] ``spans``), then [lo, hi) of the run of one id
+  that holds the whole tile, empty if none does (segment_runs' ``runs``: the
+  intersection of the tile's positions' runs). Computed outside the kernels,
   which read them as scalars: a reduction of a vector to a scalar inside a
   Mosaic kernel goes through one shared-memory scratch area, which
   warpgroups reducing at once would share."""
   b, _, t = spans.shape
-  per_tile = spans.reshape(b, 2, t // block, block)
-  return jnp.stack([per_tile[:, 0].min(axis=-1), per_tile[:, 1].max(axis=-1)],
+  per_tile = lambda x: x.reshape(b, 2, t // block, block)
+  spans, runs = per_tile(spans), per_tile(runs)
+  return jnp.stack([spans[:, 0].min(axis=-1), spans[:, 1].max(axis=-1),
+                    runs[:, 0].max(axis=-1), runs[:, 1].min(axis=-1)],
                    axis=-1).astype(jnp.int32)
 
 
 def warpgroup_span(ranges_ref, batch, program, warpgroup, has_segments: bool):
-  """The span of the tile a compute warpgroup owns (tile 2 * program + warpgroup
-  of tile_spans' ``ranges_ref``) as two scalars, for tile_math's ``span``; None
-  without segment ids."""
+  """(span, uniform) of the tile a compute warpgroup owns (tile 2 * program +
+  warpgroup of tile_spans' ``ranges_ref``), each two scalars, for tile_math's
+  ``span`` and ``uniform``; (None, None) without segment ids."""
   if not has_segments:
-    return None
+    return None, None
   tile = 2 * program + warpgroup
-  return ranges_ref[batch, tile, 0], ranges_ref[batch, tile, 1]
+  return ((ranges_ref[batch, tile, 0], ranges_ref[batch, tile, 1]),
+          (ranges_ref[batch, tile, 2], ranges_ref[batch, tile, 3]))
 
 
 def program_span(ranges_ref, batch, program, has_segments: bool):
@@ -70,8 +75,8 @@ def program_span(ranges_ref, batch, program, has_segments: bool):
   segment ids)."""
   if not has_segments:
     return None
-  lo0, hi0 = warpgroup_span(ranges_ref, batch, program, 0, True)
-  lo1, hi1 = warpgroup_span(ranges_ref, batch, program, 1, True)
+  (lo0, hi0), _ = warpgroup_span(ranges_ref, batch, program, 0, True)
+  (lo1, hi1), _ = warpgroup_span(ranges_ref, batch, program, 1, True)
   return jnp.minimum(lo0, lo1), jnp.maximum(hi0, hi1)
 
 
@@ -83,7 +88,11 @@ def own_tiles(tiles, program_lo, program_hi):
   drain tiles twice or ones never loaded."""
   lo, full_lo, full_hi, hi = tiles
   lo = jnp.clip(lo, program_lo, program_hi)
-  return lo, full_lo, full_hi, jnp.clip(hi, lo, program_hi)
+  hi = jnp.clip(hi, lo, program_hi)
+  if full_lo is None:
+    return lo, None, None, hi
+  full_lo = jnp.clip(full_lo, lo, hi)
+  return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
 
 
 def program_tiles(tiles):

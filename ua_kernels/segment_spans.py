@@ -26,3 +26,21 @@ def segment_spans(seg, seq_pad: int):
   pad = ((0, 0), (0, seq_pad - t))
   return jnp.stack([jnp.pad(at_position(first), pad, constant_values=seq_pad),
                     jnp.pad(at_position(last) + 1, pad, constant_values=0)], axis=1)
+
+
+def segment_runs(seg, seq_pad: int):
+  """[B, 2, T_pad] int32: for each position, [lo, hi) of the contiguous run of
+  positions around it holding its segment id (padding: an empty run). A tile
+  whose positions all lie in one run, against a tile inside that run, holds
+  only same-segment pairs: the kernels run such tile pairs without a segment
+  mask (tile_math.kv_tiles' ``uniform``). Runs, not segment extents: an id
+  spread out over the sequence has other ids between its runs."""
+  b, t = seg.shape
+  index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  starts = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  ends = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones((b, 1), bool)], axis=1)
+  lo = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+  hi = jax.lax.cummin(jnp.where(ends, index + 1, t), axis=1, reverse=True)
+  pad = ((0, 0), (0, seq_pad - t))
+  return jnp.stack([jnp.pad(lo, pad, constant_values=seq_pad),
+                    jnp.pad(hi, pad, constant_values=0)], axis=1).astype(jnp.int32)

@@ -293,10 +293,13 @@ def q_block_range(spec: StaticSpec, k_start, block_q, block_kv):
   return lo, hi
 
 
-def _has_unmasked_interior(spec: StaticSpec, padded: bool) -> bool:
-  """Tiles wholly inside the causal/window band need no mask, unless padding
-  or segment ids (data-dependent) require one everywhere."""
-  return (spec.causal or spec.window_len > 0) and not padded and not spec.has_segment_ids
+def _has_unmasked_interior(spec: StaticSpec, padded: bool, uniform) -> bool:
+  """Tiles wholly inside the causal/window band, and with segment ids inside
+  the tile's run of one id (``uniform``), need no mask; padding needs one
+  everywhere, as do segment ids without their runs."""
+  if padded or (spec.has_segment_ids and uniform is None):
+    return False
+  return spec.causal or spec.window_len > 0 or spec.has_segment_ids
 
 
 def _within_span(lo, hi, span, block: int):
@@ -308,13 +311,27 @@ def _within_span(lo, hi, span, block: int):
   return jnp.maximum(lo, _div(span_lo, block)), jnp.minimum(hi, _ceil_div(span_hi, block))
 
 
-def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool, span=None):
+def _inside_uniform(full_lo, full_hi, uniform, block: int):
+  """[full_lo, full_hi) narrowed to the tiles of ``block`` positions wholly
+  inside the positions [uniform_lo, uniform_hi) (no change when None)."""
+  if uniform is None:
+    return full_lo, full_hi
+  uniform_lo, uniform_hi = uniform
+  return (jnp.maximum(full_lo, _ceil_div(uniform_lo, block)),
+          jnp.minimum(full_hi, _div(uniform_hi, block)))
+
+
+def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool, span=None,
+             uniform=None):
   """(lo, full_lo, full_hi, hi): the key tiles a query tile visits, and the
   sub-range [full_lo, full_hi) whose every (query, key) pair is visible
   (full_lo is None when the loop is not split). ``span``: the positions
-  [lo, hi) that share a segment with some query of the tile (segment ids)."""
+  [lo, hi) that share a segment with some query of the tile (segment ids);
+  ``uniform``: the positions [lo, hi) of one run of one segment id that holds
+  every query of the tile (empty when the tile holds two runs), so that key
+  tiles inside it need no segment mask (segment_spans.segment_runs)."""
   lo, hi = _within_span(*kv_block_range(spec, q_start, block_q, block_kv), span, block_kv)
-  if not _has_unmasked_interior(spec, padded):
+  if not _has_unmasked_interior(spec, padded, uniform):
     return lo, None, None, hi
   full_lo, full_hi = lo, hi
   if spec.window_len > 0:  # first key of the tile within every query's window
@@ -322,20 +339,23 @@ def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool, span=No
                                     block_kv), lo)
   if spec.causal:  # last key of the tile <= first query of the tile
     full_hi = jnp.minimum(_div(q_start + 1, block_kv), hi)
+  full_lo, full_hi = _inside_uniform(full_lo, full_hi, uniform, block_kv)
   full_lo = jnp.minimum(full_lo, hi)
   return lo, full_lo, jnp.maximum(full_hi, full_lo), hi
 
 
-def q_tiles(spec: StaticSpec, k_start, block_q, block_kv, padded: bool, span=None):
+def q_tiles(spec: StaticSpec, k_start, block_q, block_kv, padded: bool, span=None,
+            uniform=None):
   """(lo, full_lo, full_hi, hi) of query tiles for a key tile; see kv_tiles."""
   lo, hi = _within_span(*q_block_range(spec, k_start, block_q, block_kv), span, block_q)
-  if not _has_unmasked_interior(spec, padded):
+  if not _has_unmasked_interior(spec, padded, uniform):
     return lo, None, None, hi
   full_lo, full_hi = lo, hi
   if spec.causal:  # first query of the tile >= last key of the tile
     full_lo = jnp.maximum(_ceil_div(k_start + block_kv - 1, block_q), lo)
   if spec.window_len > 0:  # last query of the tile within the first key's window
     full_hi = jnp.minimum(_div(k_start + spec.window_len, block_q), hi)
+  full_lo, full_hi = _inside_uniform(full_lo, full_hi, uniform, block_q)
   full_lo = jnp.minimum(full_lo, hi)
   return lo, full_lo, jnp.maximum(full_hi, full_lo), hi
 
