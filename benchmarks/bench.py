@@ -224,6 +224,8 @@ FEATURES = {
     "temperature": {"temperature": True},
     "z-loss 1e-4": {"z_loss_weight": 1e-4},
     "GQA 16/4": {"kv_heads": 4},
+    # The baseline of "4 documents": the same documents as 4 sequences.
+    "4 sequences of T/4": {"sequences": 4},
 }
 
 
@@ -246,12 +248,17 @@ def feature_rows(args):
                 temperature=temperature if feature.get("temperature") else None,
                 z_loss_weight=feature.get("z_loss_weight", 0.0))
       k, v = kv[feature.get("kv_heads", h)]
-      spec = validate(q, k, v, **kw)[0]
+      split = feature.get("sequences", 1)
+      args_q = q
+      if split > 1:  # [B, T] -> [B * split, T / split]: each piece its own sequence
+        args_q, k, v = (x.reshape(b * split, t // split, *x.shape[2:]) for x in (q, k, v))
+        doc = t // split
+      spec = validate(args_q, k, v, **kw)[0]
       config = default_config(spec, q.dtype)
-      configs[name] = {**dataclasses.asdict(config),
+      configs[name] = {**dataclasses.asdict(config), "shape": list(args_q.shape),
                        "forward": forward_backend(spec, config, q.dtype),
                        "backward": backward_backend(spec, config, q.dtype)}
-      impls[name] = (functools.partial(ua_kernels.attention, **kw), (q, k, v))
+      impls[name] = (functools.partial(ua_kernels.attention, **kw), (args_q, k, v))
       flops[name] = 4 * b * h * d * visible_pairs(t, causal, 0, doc)
     # Each call takes its own arguments (GQA's k and v have fewer heads), bound
     # outside jit so that q, k and v stay arguments, and every gradient is computed.
@@ -275,14 +282,21 @@ def feature_rows(args):
 
 
 def print_feature_ratios(rows):
-  """Each feature's TFLOP/s over the plain call's of the same shape."""
-  plain = {r["case"][:-len(" plain")]: r for r in rows
-           if r.get("feature") == "plain"}
-  for r in rows:
-    base = plain.get(r["case"][:-len(r.get("feature", "")) - 1])
-    if base and r.get("feature") not in (None, "plain"):
-      print(f"ratio {r['case']:56} vs plain  fwd {r['fwd_tflops'] / base['fwd_tflops']:.2f}x  "
-            f"fwd+bwd {r['fwd_bwd_tflops'] / base['fwd_bwd_tflops']:.2f}x")
+  """Each feature's TFLOP/s over the plain call's of the same shape, and the
+  packed documents' over the same documents as separate sequences."""
+  by = {(r["case"][:-len(r["feature"]) - 1], r["feature"]): r for r in rows if "feature" in r}
+  for (shape, feature), r in by.items():
+    if feature == "plain":
+      continue
+    bases = ["plain"]
+    if feature.startswith("segment ids, ") and feature.endswith(" documents"):
+      bases.append(f"{feature.split()[2]} sequences of T/{feature.split()[2]}")
+    for base_name in bases:
+      base = by.get((shape, base_name))
+      if base:
+        print(f"ratio {r['case']:56} vs {base_name:18} "
+              f"fwd {r['fwd_tflops'] / base['fwd_tflops']:.2f}x  "
+              f"fwd+bwd {r['fwd_bwd_tflops'] / base['fwd_bwd_tflops']:.2f}x")
 
 
 def main(argv=None):
