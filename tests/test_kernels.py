@@ -150,20 +150,23 @@ def test_fixed_shift_keeps_rows_at_either_bound_exact(v_scale, cap_method, cap_p
   np.testing.assert_allclose(got / v_scale, expected / v_scale, rtol=0, atol=2e-2)
 
 
-@pytest.mark.parametrize("segments", ["packed", "random"])
+@pytest.mark.parametrize("segments", ["packed", "random", "unnumbered"])
 @pytest.mark.parametrize("causal, window", [(False, 0), (True, 0), (True, 9), (False, 17)])
 def test_segment_spans_skip_only_tiles_without_a_visible_pair(segments, causal, window):
   """With segment ids the kernels visit, per query tile, the key tiles within
   the span of its queries' segments (and per key tile the query tiles likewise).
-  Packed documents: exactly the tiles holding a visible pair. Ids scattered over
-  the sequence: at least those (a segment's span is its whole extent)."""
+  Packed documents, and ids in [0, T) scattered over the sequence: exactly the
+  tiles whose spans meet (a segment's span is its whole extent). Ids neither
+  monotone nor in [0, T): at least the tiles holding a visible pair."""
   from ua_kernels.tile_math import kv_tiles, q_tiles
   t, bq, bkv = 61, 16, 8
   rng = np.random.default_rng(3)
   if segments == "packed":
     seg = np.repeat(np.arange(t), rng.choice([1, 3, 7, 20], size=t))[:t]
-  else:
+  elif segments == "random":
     seg = rng.integers(0, 3, size=t)
+  else:
+    seg = rng.integers(-1, 2, size=t) * 1000
   spans = np.asarray(segment_spans(jnp.asarray(seg[None], jnp.int32), 64))[0]
   spec = validate(*(np.zeros((1, t, 1, 16), np.float32),) * 3, causal=causal, window_len=window,
                   segment_ids=seg[None])[0]
@@ -182,10 +185,21 @@ def test_segment_spans_skip_only_tiles_without_a_visible_pair(segments, causal, 
   for j in range(nkv):
     lo, _, _, hi = q_tiles(spec, jnp.int32(j * bkv), bq, bkv, True, span(j * bkv, bkv))
     by_key[int(lo):max(int(hi), int(lo)), j] = True
+  # The tiles meeting a query tile's span: the hull of its ids' extents
+  # (the band's tiles, when the ids have no span).
+  band = np.asarray(visible_keys(t, None, causal, window))[0]
+  hull = lambda ids: (min(np.flatnonzero(np.isin(seg, ids))),
+                      max(np.flatnonzero(np.isin(seg, ids))) + 1)
+  meets = np.zeros_like(needed)
+  for i, j in itertools.product(range(nq), range(nkv)):
+    lo, hi = hull(seg[i * bq:(i + 1) * bq]) if segments != "unnumbered" else (0, t)
+    meets[i, j] = (band[i * bq:(i + 1) * bq, j * bkv:(j + 1) * bkv].any()
+                   and j * bkv < hi and (j + 1) * bkv > lo)
   for visited in (by_query, by_key):
     assert not (needed & ~visited).any()
     if segments == "packed":
       np.testing.assert_array_equal(visited, needed)
+  np.testing.assert_array_equal(by_query, meets)
 
 
 @pytest.mark.parametrize("segments", ["packed", "random", "alternating"])

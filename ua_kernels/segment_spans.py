@@ -29,33 +29,35 @@ def _runs(seg):
 
 
 def _extents(seg):
-  """Per position, [first, last + 1) of the positions holding its id, for ids
-  in any order (a sort groups them)."""
+  """Per position, [first, last + 1) of the positions holding its id, by a
+  scatter into a table indexed by id, for rows whose ids all lie in [0, T)
+  (document numbers, the usual packing); a row with other ids gets [0, T), a
+  span that skips nothing (its tiles are visited and masked). No sort: a sort
+  of the ids costs more than the kernels save on short sequences."""
   b, t = seg.shape
-  order = jnp.argsort(seg, axis=1, stable=True)
-  ordered = jnp.take_along_axis(seg, order, axis=1)
-  new_segment = jnp.concatenate([jnp.ones((b, 1), bool), ordered[:, 1:] != ordered[:, :-1]],
-                                axis=1)
-  group = jnp.cumsum(new_segment, axis=1, dtype=jnp.int32) - 1
-  first = jax.vmap(lambda o, g: jax.ops.segment_min(o, g, num_segments=t))(order, group)
-  last = jax.vmap(lambda o, g: jax.ops.segment_max(o, g, num_segments=t))(order, group)
-  inverse = jnp.argsort(order, axis=1)
-  at_position = lambda per_group: jnp.take_along_axis(
-      jnp.take_along_axis(per_group, group, axis=1), inverse, axis=1).astype(jnp.int32)
-  return at_position(first), at_position(last) + 1
+  index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  in_table = jnp.all((seg >= 0) & (seg < t), axis=1, keepdims=True)
+  ids = jnp.where(in_table, seg, 0)
+  first = jax.vmap(lambda i, g: jax.ops.segment_min(i, g, num_segments=t))(index, ids)
+  last = jax.vmap(lambda i, g: jax.ops.segment_max(i, g, num_segments=t))(index, ids)
+  lo = jnp.take_along_axis(first, ids, axis=1)
+  hi = jnp.take_along_axis(last, ids, axis=1) + 1
+  return jnp.where(in_table, lo, 0), jnp.where(in_table, hi, t)
 
 
 def segment_spans(seg, seq_pad: int):
   """[B, 2, T_pad] int32: for each position, the first position of its segment
   and one past the last (padding: an empty span), so that the kernels visit
   only tiles holding some same-segment pair. Ids need not be sorted or
-  contiguous: a segment spread out gets its whole extent. When every row's ids
-  are monotone (packed documents numbered in order), each id is one run and
-  the runs are its extents, found without the sort."""
+  contiguous: a segment spread out gets its whole extent. A row of monotone
+  ids (documents in order) takes its runs, which are then its extents; other
+  rows the table of _extents. Both are computed, without a sort or a
+  conditional (one would stop the host for its predicate)."""
   change = seg[:, 1:] - seg[:, :-1]
-  monotone = jnp.all(jnp.all(change >= 0, axis=1) | jnp.all(change <= 0, axis=1))
-  lo, hi = jax.lax.cond(monotone, _runs, _extents, seg)
-  return _pad_empty(lo, hi, seq_pad)
+  monotone = (jnp.all(change >= 0, axis=1) | jnp.all(change <= 0, axis=1))[:, None]
+  (run_lo, run_hi), (ext_lo, ext_hi) = _runs(seg), _extents(seg)
+  return _pad_empty(jnp.where(monotone, run_lo, ext_lo), jnp.where(monotone, run_hi, ext_hi),
+                    seq_pad)
 
 
 def segment_runs(seg, seq_pad: int):
