@@ -131,9 +131,16 @@ def time_interleaved(fns, args, repeats, inner=5):
 
 
 def _fwd_bwd(f):
-  def loss(q, k, v):
-    return jnp.sum(f(q, k, v).astype(jnp.float32))
+  """jit(grad) of f's output sum with respect to q, k and v (further arguments,
+  segment ids or temperature, get none)."""
+  def loss(q, k, v, *rest):
+    return jnp.sum(f(q, k, v, *rest).astype(jnp.float32))
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _with_runtime_options(q, k, v, segment_ids, temperature, **static):
+  return ua_kernels.attention(q, k, v, segment_ids=segment_ids, temperature=temperature,
+                              **static)
 
 
 def peers(causal, window, cap, doc_len, hq, hkv):
@@ -229,13 +236,13 @@ FEATURES = {
 }
 
 
-def feature_rows(args):
+def feature_rows(options):
   """Rows of --set features: every FEATURES entry of each FEATURE_SHAPES shape,
   timed together (time_interleaved) so that their ratios to "plain" hold."""
   rows = []
   for b, t, h, d, causal in FEATURE_SHAPES:
     rng = np.random.default_rng(0)
-    dtype = jnp.dtype(args.dtype)
+    dtype = jnp.dtype(options.dtype)
     q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
     kv = {hkv: tuple(jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype) for _ in range(2))
           for hkv in {h, *(f.get("kv_heads", h) for f in FEATURES.values())}}
@@ -244,8 +251,8 @@ def feature_rows(args):
     for name, feature in FEATURES.items():
       doc = t // feature["documents"] if "documents" in feature else 0
       seg = None if not doc else jnp.asarray(np.repeat(np.arange(t // doc), doc)[None].repeat(b, 0))
-      kw = dict(causal=causal, segment_ids=seg,
-                temperature=temperature if feature.get("temperature") else None,
+      temp = temperature if feature.get("temperature") else None
+      kw = dict(causal=causal, segment_ids=seg, temperature=temp,
                 z_loss_weight=feature.get("z_loss_weight", 0.0))
       k, v = kv[feature.get("kv_heads", h)]
       split = feature.get("sequences", 1)
@@ -258,15 +265,19 @@ def feature_rows(args):
       configs[name] = {**dataclasses.asdict(config), "shape": list(args_q.shape),
                        "forward": forward_backend(spec, config, q.dtype),
                        "backward": backward_backend(spec, config, q.dtype)}
-      impls[name] = (functools.partial(ua_kernels.attention, **kw), (args_q, k, v))
+      # Segment ids and temperature are arguments of the jitted call, as in
+      # training: bound as constants, XLA would precompute what the kernels
+      # derive from them (the segment spans) at compile time.
+      static = {key: kw[key] for key in ("causal", "z_loss_weight")}
+      impls[name] = (functools.partial(_with_runtime_options, **static), (args_q, k, v, seg, temp))
       flops[name] = 4 * b * h * d * visible_pairs(t, causal, 0, doc)
     # Each call takes its own arguments (GQA's k and v have fewer heads), bound
     # outside jit so that q, k and v stay arguments, and every gradient is computed.
     bound = lambda wrap: {n: functools.partial(lambda fn, a: fn(*a), wrap(f), a)
                           for n, (f, a) in impls.items()}
-    fwd = time_interleaved(bound(jax.jit), (), args.repeats)
-    bwd = time_interleaved(bound(_fwd_bwd), (), args.repeats)
-    label = f"B{b} T{t} H{h} D{d}" + ("" if args.dtype == "bfloat16" else " f16") + \
+    fwd = time_interleaved(bound(jax.jit), (), options.repeats)
+    bwd = time_interleaved(bound(_fwd_bwd), (), options.repeats)
+    label = f"B{b} T{t} H{h} D{d}" + ("" if options.dtype == "bfloat16" else " f16") + \
         (" causal" if causal else "")
     for name in impls:
       if any(isinstance(r, Exception) for r in (fwd[name], bwd[name])):
@@ -307,12 +318,12 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
                       help="q, k, v dtype (every peer gets the same)")
   parser.add_argument("--json", default="bench.json")
-  args = parser.parse_args(argv)
+  options = parser.parse_args(argv)
   header = provenance(argv)
-  rows = feature_rows(args) if args.set == "features" else []
-  for b, t, hq, hkv, d, causal, window, cap, doc in CONFIGS.get(args.set, ()):
+  rows = feature_rows(options) if options.set == "features" else []
+  for b, t, hq, hkv, d, causal, window, cap, doc in CONFIGS.get(options.set, ()):
     rng = np.random.default_rng(0)
-    dtype = jnp.dtype(args.dtype)
+    dtype = jnp.dtype(options.dtype)
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
     k = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
     v = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
@@ -324,22 +335,29 @@ def main(argv=None):
     # every kernel on Pallas-Triton, timed side by side.
     spec = validate(q, k, v, **kw)[0]
     config = default_config(spec, q.dtype)
-    impls = {"ua_kernels": lambda q, k, v: ua_kernels.attention(q, k, v, **kw),
-             "ua_kernels[triton]": lambda q, k, v: triton_attention(q, k, v, **kw)}
+    # Segment ids are an argument of the jitted call, as in training (bound as a
+    # constant, XLA would precompute the segment spans at compile time); the
+    # peers run only configurations without them.
+    static = {key: value for key, value in kw.items() if key != "segment_ids"}
+    impls = {"ua_kernels": lambda q, k, v, *seg: ua_kernels.attention(
+                 q, k, v, segment_ids=seg[0] if seg else None, **static),
+             "ua_kernels[triton]": lambda q, k, v, *seg: triton_attention(
+                 q, k, v, segment_ids=seg[0] if seg else None, **static)}
+    args = (q, k, v) + ((seg,) if doc else ())
     configs = {"ua_kernels": {**dataclasses.asdict(config),
                               "forward": forward_backend(spec, config, q.dtype),
                               "backward": backward_backend(spec, config, q.dtype)},
                "ua_kernels[triton]": {**dataclasses.asdict(config), "forward": "triton",
                                       "backward": "triton"},
                **PEER_CONFIGS}
-    if not args.no_peers:
+    if not options.no_peers:
       impls.update(peers(causal, window, cap, doc, hq, hkv))
-    label = f"B{b} T{t} H{hq}/{hkv} D{d}" + ("" if args.dtype == "bfloat16" else " f16") + \
+    label = f"B{b} T{t} H{hq}/{hkv} D{d}" + ("" if options.dtype == "bfloat16" else " f16") + \
         (" causal" if causal else "") + \
         (f" win{window}" if window else "") + (f" tanh{cap:g}" if cap else "") + \
         (f" docs{doc}" if doc else "")
-    fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, (q, k, v), args.repeats)
-    bwd = time_interleaved({n: _fwd_bwd(f) for n, f in impls.items()}, (q, k, v), args.repeats)
+    fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, args, options.repeats)
+    bwd = time_interleaved({n: _fwd_bwd(f) for n, f in impls.items()}, args, options.repeats)
     stats = jax.devices()[0].memory_stats() or {}
     for name in impls:
       failed = [r for r in (fwd[name], bwd[name]) if isinstance(r, Exception)]
@@ -352,8 +370,8 @@ def main(argv=None):
                    "fwd_tflops": flops / fwd[name] / 1e9,
                    "fwd_bwd_tflops": 3.5 * flops / bwd[name] / 1e9,
                    "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2 ** 30})
-    if not args.no_peers and not window and not doc and hq == hkv:
-      flex = torch_flex(b, t, hq, d, causal, cap, args.repeats, args.dtype)
+    if not options.no_peers and not window and not doc and hq == hkv:
+      flex = torch_flex(b, t, hq, d, causal, cap, options.repeats, options.dtype)
       if flex:
         name = "torch_flex" + ("_tanh" if cap else "")
         rows.append({"case": label, "impl": name, "config": configs[name],
@@ -372,7 +390,7 @@ def main(argv=None):
             f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_tflops']:9.1f} {r.get('peak_gib_so_far', 0):8.1f}")
   print_target_ratios(rows)
   print_feature_ratios(rows)
-  with open(args.json, "w") as f:
+  with open(options.json, "w") as f:
     json.dump({**header, "rows": rows}, f, indent=1)
 
 

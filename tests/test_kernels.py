@@ -150,6 +150,25 @@ def test_fixed_shift_keeps_rows_at_either_bound_exact(v_scale, cap_method, cap_p
   np.testing.assert_allclose(got / v_scale, expected / v_scale, rtol=0, atol=2e-2)
 
 
+@pytest.mark.parametrize("ids", [
+    [0, 2 ** 30 + 2 ** 29, -(2 ** 30 + 2 ** 29), 0],  # differences wrap around in int32
+    [0, -2 ** 31, 0], [2 ** 31 - 1, -2 ** 31, 2 ** 31 - 1, 5], [3, 1, 3, 3, 2], [7, 7, 7],
+    [-5, -5, -2, 9], [9, 4, 4, -1]])
+def test_segment_spans_hold_every_position_of_the_segment(ids):
+  """Each position's span holds every position with its id, whatever the ids
+  (extremes of int32, out of order, negative): the kernels skip the tiles
+  outside it. In-order ids and ids in [0, T) get exactly the extent."""
+  seg = np.asarray(ids, np.int64)
+  spans = np.asarray(segment_spans(jnp.asarray(seg[None], jnp.int32), len(ids) + 2))[0]
+  for i, x in enumerate(seg):
+    where = np.flatnonzero(seg == x)
+    assert spans[0, i] <= where.min() and spans[1, i] >= where.max() + 1, (i, spans[:, i])
+    diffs = np.diff(seg)
+    if (diffs >= 0).all() or (diffs <= 0).all() or ((seg >= 0) & (seg < len(ids))).all():
+      assert (spans[0, i], spans[1, i]) == (where.min(), where.max() + 1)
+  assert (spans[0, len(ids):] == len(ids) + 2).all() and (spans[1, len(ids):] == 0).all()
+
+
 @pytest.mark.parametrize("segments", ["packed", "random", "unnumbered"])
 @pytest.mark.parametrize("causal, window", [(False, 0), (True, 0), (True, 9), (False, 17)])
 def test_segment_spans_skip_only_tiles_without_a_visible_pair(segments, causal, window):

@@ -53,8 +53,9 @@ def segment_spans(seg, seq_pad: int):
   ids (documents in order) takes its runs, which are then its extents; other
   rows the table of _extents. Both are computed, without a sort or a
   conditional (one would stop the host for its predicate)."""
-  change = seg[:, 1:] - seg[:, :-1]
-  monotone = (jnp.all(change >= 0, axis=1) | jnp.all(change <= 0, axis=1))[:, None]
+  # Compared, not subtracted: a difference of int32 ids can wrap around.
+  before, after = seg[:, :-1], seg[:, 1:]
+  monotone = (jnp.all(after >= before, axis=1) | jnp.all(after <= before, axis=1))[:, None]
   (run_lo, run_hi), (ext_lo, ext_hi) = _runs(seg), _extents(seg)
   return _pad_empty(jnp.where(monotone, run_lo, ext_lo), jnp.where(monotone, run_hi, ext_hi),
                     seq_pad)
