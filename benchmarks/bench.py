@@ -138,9 +138,11 @@ def _fwd_bwd(f):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def _with_runtime_options(q, k, v, segment_ids, temperature, **static):
-  return ua_kernels.attention(q, k, v, segment_ids=segment_ids, temperature=temperature,
-                              **static)
+def _with_runtime_options(attention, q, k, v, segment_ids=None, temperature=None, **static):
+  """``attention`` with segment ids and temperature as arguments of the jitted
+  call, as in training (bound as constants, XLA would precompute what the
+  kernels derive from them, the segment spans, at compile time)."""
+  return attention(q, k, v, segment_ids=segment_ids, temperature=temperature, **static)
 
 
 def peers(causal, window, cap, doc_len, hq, hkv):
@@ -265,11 +267,9 @@ def feature_rows(options):
       configs[name] = {**dataclasses.asdict(config), "shape": list(args_q.shape),
                        "forward": forward_backend(spec, config, q.dtype),
                        "backward": backward_backend(spec, config, q.dtype)}
-      # Segment ids and temperature are arguments of the jitted call, as in
-      # training: bound as constants, XLA would precompute what the kernels
-      # derive from them (the segment spans) at compile time.
       static = {key: kw[key] for key in ("causal", "z_loss_weight")}
-      impls[name] = (functools.partial(_with_runtime_options, **static), (args_q, k, v, seg, temp))
+      impls[name] = (functools.partial(_with_runtime_options, ua_kernels.attention, **static),
+                     (args_q, k, v, seg, temp))
       flops[name] = 4 * b * h * d * visible_pairs(t, causal, 0, doc)
     # Each call takes its own arguments (GQA's k and v have fewer heads), bound
     # outside jit so that q, k and v stay arguments, and every gradient is computed.
@@ -335,14 +335,12 @@ def main(argv=None):
     # every kernel on Pallas-Triton, timed side by side.
     spec = validate(q, k, v, **kw)[0]
     config = default_config(spec, q.dtype)
-    # Segment ids are an argument of the jitted call, as in training (bound as a
-    # constant, XLA would precompute the segment spans at compile time); the
-    # peers run only configurations without them.
+    # Segment ids, where there are any, are a fourth argument (the peers run
+    # only configurations without them).
     static = {key: value for key, value in kw.items() if key != "segment_ids"}
-    impls = {"ua_kernels": lambda q, k, v, *seg: ua_kernels.attention(
-                 q, k, v, segment_ids=seg[0] if seg else None, **static),
-             "ua_kernels[triton]": lambda q, k, v, *seg: triton_attention(
-                 q, k, v, segment_ids=seg[0] if seg else None, **static)}
+    impls = {name: functools.partial(_with_runtime_options, fn, **static)
+             for name, fn in (("ua_kernels", ua_kernels.attention),
+                              ("ua_kernels[triton]", triton_attention))}
     args = (q, k, v) + ((seg,) if doc else ())
     configs = {"ua_kernels": {**dataclasses.asdict(config),
                               "forward": forward_backend(spec, config, q.dtype),

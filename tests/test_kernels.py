@@ -9,7 +9,7 @@ import pytest
 
 import ua_kernels
 from ua_kernels import KernelConfig
-from ua_kernels.segment_spans import segment_runs, segment_spans
+from ua_kernels.segment_spans import segment_ranges, segment_runs, segment_spans
 from ua_reference.contract import validate
 from ua_kernels.tile_math import kv_block_range, q_block_range
 from properties.runner import x64
@@ -242,6 +242,9 @@ def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, 
     seg = (np.arange(t) // 12) % 2
   spans = np.asarray(segment_spans(jnp.asarray(seg[None], jnp.int32), t))[0]
   runs = np.asarray(segment_runs(jnp.asarray(seg[None], jnp.int32), t))[0]
+  # What the kernels take: the two, computed together.
+  np.testing.assert_array_equal(np.asarray(segment_ranges(jnp.asarray(seg[None], jnp.int32), t))[0],
+                                np.concatenate([spans, runs]))
   for i in range(t):
     run = seg[runs[0, i]:runs[1, i]]
     assert (run == seg[i]).all() and runs[0, i] <= i < runs[1, i]

@@ -20,7 +20,7 @@ from ua_reference.contract import StaticSpec, validate
 from . import cap_forms, fast_math, kernels, mosaic_backward, mosaic_forward
 from .kernel_config import KernelConfig
 from .padding import pad as _pad
-from .segment_spans import segment_runs, segment_spans
+from .segment_spans import segment_ranges
 from .tile_math import LN2
 from .tuned_configs import default_config
 
@@ -96,13 +96,13 @@ def _pallas_call(config: KernelConfig, inputs, kernel, **kwargs):
 
 def _prepare(spec, config, q, k, v, seg, temp):
   """Pads to the kernel layout; segment ids gain their spans and runs
-  ([B, 4, T_pad]: segment_spans then segment_runs); temperature becomes
+  ([B, 4, T_pad], segment_spans.segment_ranges); temperature becomes
   [B, Hq, T_pad]."""
   head_dim, seq_pad, blocks = _layout(spec, config)
   q, k, v = (_pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
   spans = None
   if seg is not None:
-    spans = jnp.concatenate([segment_spans(seg, seq_pad), segment_runs(seg, seq_pad)], axis=1)
+    spans = segment_ranges(seg, seq_pad)
     seg = _pad(seg, {1: seq_pad})
   if temp is not None:
     temp = _pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad})

@@ -46,7 +46,7 @@ from .kernel_config import MosaicTiles
 from .mosaic_common import (load_vector, own_tiles, position_tiles, program_span,
                             program_tiles, tile_spans, warpgroup_span)
 from .padding import pad
-from .segment_spans import segment_runs, segment_spans
+from .segment_spans import segment_ranges
 from .tile_math import (kv_tiles, logits_grad, matmul_operand, probabilities, q_tiles,
                         scaled_back, scores_to_logits, tile_loop, visible_mask)
 
@@ -104,12 +104,11 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
 
   q, k, v, dout = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v, dout))
   has_seg, has_temp = seg is not None, temp is not None
-  spans, runs = ((segment_spans(seg, seq_pad), segment_runs(seg, seq_pad)) if has_seg
-                 else (None, None))
   # Each kernel reads the spans of its warpgroups' tiles (query tiles for dq,
   # key tiles for dk/dv).
+  ranges = segment_ranges(seg, seq_pad) if has_seg else None
   spans_dq, spans_dkv = (
-      (tile_spans(spans, runs, bq_dq), tile_spans(spans, runs, bkv_dkv)) if has_seg else
+      (tile_spans(ranges, bq_dq), tile_spans(ranges, bkv_dkv)) if has_seg else
       (jnp.zeros((b, seq_pad // bq_dq, 4), jnp.int32),
        jnp.zeros((b, seq_pad // bkv_dkv, 4), jnp.int32)))
   seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)

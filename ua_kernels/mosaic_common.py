@@ -42,20 +42,19 @@ def position_tiles(shape, q_start, k_start, query_axis: int):
   return q_start + iota(query_axis), k_start + iota(1 - query_axis)
 
 
-def tile_spans(spans, runs, block: int):
+def tile_spans(ranges, block: int):
   """[B, T_pad / block, 4] int32: for each tile of ``block`` positions, [lo, hi)
-  of the positions that share a segment with some position of the tile
-  (segment_spans' [B, 2, T_pad] ``spans``), then [lo, hi) of the run of one id
-  that holds the whole tile, empty if none does (segment_runs' ``runs``: the
-  intersection of the tile's positions' runs). Computed outside the kernels,
-  which read them as scalars: a reduction of a vector to a scalar inside a
-  Mosaic kernel goes through one shared-memory scratch area, which
-  warpgroups reducing at once would share."""
-  b, _, t = spans.shape
-  per_tile = lambda x: x.reshape(b, 2, t // block, block)
-  spans, runs = per_tile(spans), per_tile(runs)
-  return jnp.stack([spans[:, 0].min(axis=-1), spans[:, 1].max(axis=-1),
-                    runs[:, 0].max(axis=-1), runs[:, 1].min(axis=-1)],
+  of the positions that share a segment with some position of the tile (the
+  hull of its positions' spans), then [lo, hi) of the run of one id that holds
+  the whole tile, empty if none does (the intersection of its positions'
+  runs), from segment_spans.segment_ranges' [B, 4, T_pad] ``ranges``. Computed
+  outside the kernels, which read them as scalars: a reduction of a vector to
+  a scalar inside a Mosaic kernel goes through one shared-memory scratch area,
+  which warpgroups reducing at once would share."""
+  b, _, t = ranges.shape
+  per_tile = ranges.reshape(b, 4, t // block, block)
+  return jnp.stack([per_tile[:, 0].min(axis=-1), per_tile[:, 1].max(axis=-1),
+                    per_tile[:, 2].max(axis=-1), per_tile[:, 3].min(axis=-1)],
                    axis=-1).astype(jnp.int32)
 
 
@@ -71,8 +70,8 @@ def warpgroup_span(ranges_ref, batch, program, warpgroup, has_segments: bool):
 
 
 def program_span(ranges_ref, batch, program, has_segments: bool):
-  """The union of the spans of a program's two warpgroup tiles (None without
-  segment ids)."""
+  """The hull of the spans of a program's two warpgroup tiles, the smallest
+  range holding both (None without segment ids)."""
   if not has_segments:
     return None
   (lo0, hi0), _ = warpgroup_span(ranges_ref, batch, program, 0, True)

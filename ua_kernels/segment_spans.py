@@ -45,6 +45,16 @@ def _extents(seg):
   return jnp.where(in_table, lo, 0), jnp.where(in_table, hi, t)
 
 
+def _spans(seg, runs):
+  """Per position, [lo, hi) of its segment's extent (unpadded; see segment_spans),
+  from the row's ``runs`` (_runs) where its ids are monotone."""
+  # Compared, not subtracted: a difference of int32 ids can wrap around.
+  before, after = seg[:, :-1], seg[:, 1:]
+  monotone = (jnp.all(after >= before, axis=1) | jnp.all(after <= before, axis=1))[:, None]
+  (run_lo, run_hi), (ext_lo, ext_hi) = runs, _extents(seg)
+  return jnp.where(monotone, run_lo, ext_lo), jnp.where(monotone, run_hi, ext_hi)
+
+
 def segment_spans(seg, seq_pad: int):
   """[B, 2, T_pad] int32: for each position, the first position of its segment
   and one past the last (padding: an empty span), so that the kernels visit
@@ -53,12 +63,7 @@ def segment_spans(seg, seq_pad: int):
   ids (documents in order) takes its runs, which are then its extents; other
   rows the table of _extents. Both are computed, without a sort or a
   conditional (one would stop the host for its predicate)."""
-  # Compared, not subtracted: a difference of int32 ids can wrap around.
-  before, after = seg[:, :-1], seg[:, 1:]
-  monotone = (jnp.all(after >= before, axis=1) | jnp.all(after <= before, axis=1))[:, None]
-  (run_lo, run_hi), (ext_lo, ext_hi) = _runs(seg), _extents(seg)
-  return _pad_empty(jnp.where(monotone, run_lo, ext_lo), jnp.where(monotone, run_hi, ext_hi),
-                    seq_pad)
+  return _pad_empty(*_spans(seg, _runs(seg)), seq_pad)
 
 
 def segment_runs(seg, seq_pad: int):
@@ -69,3 +74,11 @@ def segment_runs(seg, seq_pad: int):
   mask (tile_math.kv_tiles' ``uniform``). Runs, not segment extents: an id
   spread out over the sequence has other ids between its runs."""
   return _pad_empty(*_runs(seg), seq_pad)
+
+
+def segment_ranges(seg, seq_pad: int):
+  """[B, 4, T_pad] int32: segment_spans' two rows, then segment_runs' two, what
+  the kernels take for segment ids; the runs are computed once for both."""
+  runs = _runs(seg)
+  return jnp.concatenate([_pad_empty(*_spans(seg, runs), seq_pad), _pad_empty(*runs, seq_pad)],
+                         axis=1)
