@@ -80,9 +80,10 @@ def test_forward_lowers_for_cuda(shape_class):
 @pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}-"
                          f"{jnp.dtype(c[5]).name}-{'-'.join(sorted(c[6])) or 'plain'}")
 def test_backward_lowers_for_cuda(shape_class):
-  """The gradient of every shape class: the Mosaic dq and dk/dv kernels up to
-  head dim 128, the Triton ones above (compiled, interpret=False: not the
-  interpreter of this CPU), after the Mosaic forward."""
+  """The gradient of every shape class: the Mosaic dq and dk/dv kernels (above
+  head dim 128 the ones that split the gradients' columns between warpgroups)
+  compiled, interpret=False: not the interpreter of this CPU, after the Mosaic
+  forward."""
   args, extra, options = _arguments(*shape_class)
   config = dataclasses.replace(MOSAIC, interpret=False)
 
@@ -92,10 +93,9 @@ def test_backward_lowers_for_cuda(shape_class):
 
   text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), args, extra)
   assert "ua_forward_mosaic" in text
-  on_mosaic = shape_class[4] <= mosaic_backward.MAX_HEAD_DIM
+  halves = "_halves" if shape_class[4] > mosaic_backward.HALVES_ABOVE else ""
   for kernel in ("ua_backward_dq", "ua_backward_dkv"):
-    assert (f"{kernel}_mosaic" in text) == on_mosaic
-    assert kernel in text
+    assert f"{kernel}{halves}_mosaic" in text
 
 
 def test_shared_memory_overflow_is_a_lowering_error():
@@ -118,7 +118,8 @@ def test_dispatch():
   assert forward_backend(spec, MOSAIC, jnp.bfloat16) == "mosaic"
   # The backward follows the forward, up to the Mosaic backward's head dims.
   assert backward_backend(spec, MOSAIC, jnp.bfloat16) == "mosaic"
-  assert backward_backend(_spec(d=192), MOSAIC, jnp.bfloat16) == "triton"
+  assert backward_backend(_spec(d=256), MOSAIC, jnp.bfloat16) == "mosaic"
+  assert backward_backend(_spec(d=320), KernelConfig(), jnp.bfloat16) == "triton"
   assert backward_backend(spec, KernelConfig(backend="triton"), jnp.bfloat16) == "triton"
   # Without a Hopper GPU (here: the interpreter) "auto" is Triton.
   if not _is_hopper():

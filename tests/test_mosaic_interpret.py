@@ -133,3 +133,4 @@ def _compare(shape_class, tiles):
   if grads_m is not None:
     for name, got, want in zip(("dq", "dk", "dv"), grads_m, grads):
       _close(name, got, want, q.dtype)
+

@@ -184,7 +184,7 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
 
 def backward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
   """"mosaic" or "triton": the kernels of the backward, the forward's backend
-  where its backward supports the call (the Mosaic one: head dims up to 128)."""
+  where its backward supports the call (the Mosaic one: head dims up to 256)."""
   if (forward_backend(spec, config, dtype) == "mosaic"
       and mosaic_backward.unsupported(spec, dtype) is None):
     return "mosaic"

@@ -30,8 +30,7 @@ def _forced(backend: str, q, k, v, config, kwargs):
 
 def mosaic_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
   """ua_kernels.attention on Pallas Mosaic GPU (Hopper only; bfloat16/float16):
-  the forward for head dims up to 256, the backward up to 128 (above, the
-  backward runs on Pallas-Triton)."""
+  the forward and the backward for head dims up to 256."""
   return _forced("mosaic", q, k, v, config, kwargs)
 
 

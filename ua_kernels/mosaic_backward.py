@@ -26,8 +26,13 @@ Every rule of the contract comes from tile_math, shared with the Triton
 kernels: scores_to_logits, visible_mask, probabilities, logits_grad (the cap's
 derivative from the registry), matmul_operand (float16's range), and the tile
 ranges q_tiles/kv_tiles (with segment ids, within the spans of the tile's
-documents, and without a mask inside its run of one id). Head dims up to 128:
-at 256 the dk and dv accumulators of one warpgroup's 64 keys alone need 256 registers per thread.
+documents, and without a mask inside its run of one id).
+
+Head dims above 128 (up to 256, padded to 256): one warpgroup's dk and dv of
+64 keys (or dq of 64 rows) would need 256 registers per thread, so
+dq_halves_kernel and dkv_halves_kernel give a program one tile and each compute
+warpgroup one half of the gradients' columns; both warpgroups compute the
+scores and dp of the tile over the whole head dim.
 """
 
 from __future__ import annotations
@@ -44,13 +49,17 @@ from ua_reference.contract import StaticSpec
 from . import fast_math, mosaic_common
 from .kernel_config import MosaicTiles
 from .mosaic_common import (load_vector, own_tiles, position_tiles, program_span,
-                            program_tiles, tile_spans, warpgroup_span)
+                            program_tiles, tile_span, tile_spans, warpgroup_span)
 from .padding import pad
 from .segment_spans import segment_ranges
 from .tile_math import (kv_tiles, logits_grad, matmul_operand, probabilities, q_tiles,
                         scaled_back, scores_to_logits, tile_loop, visible_mask)
 
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 256
+# Above this head dim both kernels split the gradients' columns between their
+# two compute warpgroups (dq_halves_kernel, dkv_halves_kernel), on a head dim
+# padded to 2 * 128.
+HALVES_ABOVE = 128
 
 
 def unsupported(spec: StaticSpec, dtype) -> str | None:
@@ -95,8 +104,10 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   hkv = k.shape[2]
   group = spec.group_size
   dtype = q.dtype
-  head_dim = mosaic_common.padded_head_dim(d)
+  halves = d > HALVES_ABOVE
+  head_dim = 2 * HALVES_ABOVE if halves else mosaic_common.padded_head_dim(d)
   bq_dq, bkv_dq = tiles.block_q_dq, tiles.block_kv_dq
+  bkv_halves = min(bkv_dq, 64)
   bq_dkv, bkv_dkv = tiles.block_q_dkv, tiles.block_kv_dkv
   seq_pad = mosaic_common.padded_length(t, 2 * bq_dq, bkv_dq, bq_dkv, 2 * bkv_dkv)
   padded = seq_pad != t
@@ -197,23 +208,118 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
 
     @pl.when(wg == 2)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
+      stream_keys(bi, kv_head, cta_lo, cta_hi, slot, bkv, k_ref, v_ref, k_smem, v_smem,
+                  k_loaded, v_loaded, kv_free)
 
-      @pl.loop(cta_lo, cta_hi)
-      def _(kb):
+  def stream_keys(bi, kv_head, lo, hi, slot, bkv, k_ref, v_ref, k_smem, v_smem,
+                  k_loaded, v_loaded, kv_free):
+    """The dq kernels' memory warpgroup: key tiles [lo, hi) of ``bkv`` keys into
+    the ring of K and V tiles."""
+    plgpu.set_max_registers(40, action="decrease")
+
+    @pl.loop(lo, hi)
+    def _(kb):
+      s = slot(kb)
+      keys = (bi, pl.ds(kb * bkv, bkv), kv_head)
+
+      @pl.when(kb >= lo + stages)
+      def _():
+        plgpu.barrier_wait(kv_free.at[s])
+
+      plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[s], k_loaded.at[s])
+      plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[s], v_loaded.at[s])
+
+    @pl.loop(jnp.maximum(hi - stages, lo), hi)
+    def _(kb):  # the last release of every slot (mosaic_forward)
+      plgpu.barrier_wait(kv_free.at[slot(kb)])
+
+  def dq_halves_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dq_ref,
+                       q_halves, do_halves, k_smem, v_smem,
+                       qdo_loaded, k_loaded, v_loaded, kv_free, computed):
+    """dq at head dims above 128: a program owns block_q query rows, and each
+    compute warpgroup accumulates one half of dq's columns (dkv_halves_kernel's
+    split); both compute the scores and dp over the whole head dim. Key tiles
+    of at most 64 keys, so that the K/V ring fits the shared memory."""
+    bq, bkv = bq_dq, bkv_halves
+    half = head_dim // 2
+    bi = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    tile = lax.axis_index("q_tiles")
+    wg = lax.axis_index("wg")
+    kv_head = lax.div(h, jnp.int32(group))
+    q_start = tile * bq
+    tiles_ = kv_tiles(spec_padded, q_start, bq, bkv, padded,
+                      *tile_span(spans_ref, bi, tile, has_seg))
+    lo, hi = program_tiles(tiles_)
+    tiles_ = own_tiles(tiles_, lo, hi)
+    slot = lambda kb: lax.rem(kb - lo, jnp.int32(stages))
+    own = (bi, pl.ds(q_start, bq), h)
+    column_half = lambda part: pl.ds(part * half, half)
+
+    def compute(part):
+      if part == 0:  # one warpgroup loads the shared Q and dO halves
+        for c in range(2):
+          plgpu.copy_gmem_to_smem(q_ref.at[own + (column_half(c),)], q_halves.at[c],
+                                  qdo_loaded.at[c])
+          plgpu.copy_gmem_to_smem(do_ref.at[own + (column_half(c),)], do_halves.at[c],
+                                  qdo_loaded.at[2 + c])
+      row = lambda i: load_vector(rows_ref.at[bi, h, i, pl.ds(q_start, bq)], row_layout)
+      lse2_q, delta_q = row(LSE), row(DELTA)
+      temp_q = row(TEMP) if has_temp else None
+      seg_q = load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], row_layout) if has_seg else None
+      for i in range(4):
+        plgpu.barrier_wait(qdo_loaded.at[i])
+
+      def scores_pair(s):
+        """s = Q K^T and dp = dO V^T over both column halves."""
+        def both(acc1, acc2):
+          for c in range(2):
+            plgpu.wgmma(acc1, q_halves.at[c], k_smem.at[s, :, column_half(c)].transpose((1, 0)))
+            plgpu.wgmma(acc2, do_halves.at[c],
+                        v_smem.at[s, :, column_half(c)].transpose((1, 0)))
+          return acc1[...], acc2[...]
+        return pl.run_scoped(both, plgpu.ACC((bq, bkv), jnp.float32),
+                             plgpu.ACC((bq, bkv), jnp.float32))
+
+      def visit(kb, dq, masked):
         s = slot(kb)
-        keys = (bi, pl.ds(kb * bkv, bkv), kv_head)
+        plgpu.barrier_wait(k_loaded.at[s])
+        plgpu.barrier_wait(v_loaded.at[s])
+        scores, dp = scores_pair(s)
+        mask = None
+        if masked:
+          q_pos, k_pos = position_tiles((bq, bkv), q_start, kb * bkv, 0)
+          seg_k = (load_vector(seg_ref.at[bi, pl.ds(kb * bkv, bkv)], col_layout)
+                   if has_seg else None)
+          mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded)
+        logits = scores_to_logits(spec, scores, temp_q, mask, fast_cap)
+        p = probabilities(logits, lse2_q)
+        ds = logits_grad(spec, p, dp, delta_q, logits, temp_q, fast_cap)
+        ds16, back = matmul_operand(ds, dtype, axis=1)
+        dq = _accumulate(plgpu, dq, ds16, k_smem.at[s, :, column_half(part)], back)
+        plgpu.barrier_arrive(kv_free.at[s])
+        return dq
 
-        @pl.when(kb >= cta_lo + stages)
-        def _():
-          plgpu.barrier_wait(kv_free.at[s])
+      dq = plgpu.layout_cast(jnp.zeros((bq, half), jnp.float32), plgpu.Layout.WGMMA)
+      dq = tile_loop(tiles_, visit, dq)
+      # Both warpgroups read all of Q and dO until here.
+      plgpu.barrier_arrive(computed)
+      plgpu.barrier_wait(computed)
+      q_halves[part] = dq.astype(dtype)  # Q's halves hold dq on its way out
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_halves.at[part], dq_ref.at[own + (column_half(part),)])
+      plgpu.wait_smem_to_gmem(0)
 
-        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[s], k_loaded.at[s])
-        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[s], v_loaded.at[s])
+    for part in (0, 1):
+      @pl.when(wg == part)
+      def _(part=part):
+        plgpu.set_max_registers(232, action="increase")
+        compute(part)
 
-      @pl.loop(jnp.maximum(cta_hi - stages, cta_lo), cta_hi)
-      def _(kb):  # the last release of every slot (mosaic_forward)
-        plgpu.barrier_wait(kv_free.at[slot(kb)])
+    @pl.when(wg == 2)
+    def _memory():
+      stream_keys(bi, kv_head, lo, hi, slot, bkv, k_ref, v_ref, k_smem, v_smem,
+                  k_loaded, v_loaded, kv_free)
 
   def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dk_ref, dv_ref,
                  k_smem2, v_smem2, q_smem, do_smem, rows_smem,
@@ -297,27 +403,139 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
 
     @pl.when(wg == 2)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
+      stream_queries(bi, kv_head, first, last, slot, q_ref, do_ref, rows_ref,
+                     q_smem, do_smem, rows_smem, q_loaded, do_loaded, rows_loaded, q_free)
 
-      @pl.loop(first, last)
-      def _(n):
-        s = slot(n)
-        qb = lax.div(n, jnp.int32(group))
-        h = kv_head * group + lax.rem(n, jnp.int32(group))
-        queries = (bi, pl.ds(qb * bq, bq), h)
+  def stream_queries(bi, kv_head, first, last, slot, q_ref, do_ref, rows_ref,
+                     q_smem, do_smem, rows_smem, q_loaded, do_loaded, rows_loaded, q_free):
+    """The dk/dv kernels' memory warpgroup: steps [first, last) into the ring of
+    Q, dO and rows tiles (step n: query tile n // group of query head
+    kv_head * group + n % group)."""
+    bq = bq_dkv
+    plgpu.set_max_registers(40, action="decrease")
 
-        @pl.when(n >= first + stages)
-        def _():
-          plgpu.barrier_wait(q_free.at[s])
+    @pl.loop(first, last)
+    def _(n):
+      s = slot(n)
+      qb = lax.div(n, jnp.int32(group))
+      h = kv_head * group + lax.rem(n, jnp.int32(group))
+      queries = (bi, pl.ds(qb * bq, bq), h)
 
-        plgpu.copy_gmem_to_smem(q_ref.at[queries], q_smem.at[s], q_loaded.at[s])
-        plgpu.copy_gmem_to_smem(do_ref.at[queries], do_smem.at[s], do_loaded.at[s])
-        plgpu.copy_gmem_to_smem(rows_ref.at[bi, h, :, pl.ds(qb * bq, bq)], rows_smem.at[s],
-                                rows_loaded.at[s])
+      @pl.when(n >= first + stages)
+      def _():
+        plgpu.barrier_wait(q_free.at[s])
 
-      @pl.loop(jnp.maximum(last - stages, first), last)
-      def _(n):  # the last release of every slot (mosaic_forward)
-        plgpu.barrier_wait(q_free.at[slot(n)])
+      plgpu.copy_gmem_to_smem(q_ref.at[queries], q_smem.at[s], q_loaded.at[s])
+      plgpu.copy_gmem_to_smem(do_ref.at[queries], do_smem.at[s], do_loaded.at[s])
+      plgpu.copy_gmem_to_smem(rows_ref.at[bi, h, :, pl.ds(qb * bq, bq)], rows_smem.at[s],
+                              rows_loaded.at[s])
+
+    @pl.loop(jnp.maximum(last - stages, first), last)
+    def _(n):  # the last release of every slot (mosaic_forward)
+      plgpu.barrier_wait(q_free.at[slot(n)])
+
+  def dkv_halves_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dk_ref,
+                        dv_ref, k_halves, v_halves, q_smem, do_smem, rows_smem,
+                        kv_loaded, q_loaded, do_loaded, rows_loaded, q_free, computed):
+    """dk/dv at head dims above 128: a program owns block_kv keys, and each
+    compute warpgroup accumulates one half of dk's and dv's columns (128 each),
+    since a warpgroup's whole dk and dv of 64 keys would take 256 registers per
+    thread. Both compute the scores and dp over the whole head dim: 3 tile
+    matmuls of 64 x 256 per warpgroup and step where the split by keys does 2.
+    K and V sit in shared memory as two column halves, so that each
+    warpgroup's dk and dv go out from a contiguous buffer."""
+    bq, bkv = bq_dkv, bkv_dkv
+    half = head_dim // 2
+    bi = lax.axis_index("batch")
+    kv_head = lax.axis_index("heads")
+    tile = lax.axis_index("kv_tiles")
+    wg = lax.axis_index("wg")
+    k_start = tile * bkv
+    tiles_ = q_tiles(spec_padded, k_start, bq, bkv, padded,
+                     *tile_span(spans_ref, bi, tile, has_seg))
+    lo, hi = program_tiles(tiles_)
+    tiles_ = own_tiles(tiles_, lo, hi)
+    first, last = lo * group, hi * group
+    slot = lambda n: lax.rem(n - first, jnp.int32(stages))
+    own = (bi, pl.ds(k_start, bkv), kv_head)
+    column_half = lambda part: pl.ds(part * half, half)
+
+    def compute(part):
+      if part == 0:  # one warpgroup loads the shared K and V halves
+        for h in range(2):
+          plgpu.copy_gmem_to_smem(k_ref.at[own + (column_half(h),)], k_halves.at[h],
+                                  kv_loaded.at[h])
+          plgpu.copy_gmem_to_smem(v_ref.at[own + (column_half(h),)], v_halves.at[h],
+                                  kv_loaded.at[2 + h])
+
+      seg_k = load_vector(seg_ref.at[bi, pl.ds(k_start, bkv)], row_layout) if has_seg else None
+      for i in range(4):
+        plgpu.barrier_wait(kv_loaded.at[i])
+
+      def scores_pair(s):
+        """sT = K Q^T and dpT = V dO^T over both column halves."""
+        def both(acc1, acc2):
+          for h in range(2):
+            plgpu.wgmma(acc1, k_halves.at[h],
+                        q_smem.at[s, :, column_half(h)].transpose((1, 0)))
+            plgpu.wgmma(acc2, v_halves.at[h],
+                        do_smem.at[s, :, column_half(h)].transpose((1, 0)))
+          return acc1[...], acc2[...]
+        return pl.run_scoped(both, plgpu.ACC((bkv, bq), jnp.float32),
+                             plgpu.ACC((bkv, bq), jnp.float32))
+
+      def visit(qb, g, carry, masked):
+        dk, dv = carry
+        s = slot(qb * group + g)
+        q_start = qb * bq
+        plgpu.barrier_wait(q_loaded.at[s])
+        plgpu.barrier_wait(do_loaded.at[s])
+        scores_t, dp_t = scores_pair(s)
+        plgpu.barrier_wait(rows_loaded.at[s])
+        row = lambda i: load_vector(rows_smem.at[s, i], col_layout)
+        lse2_q, delta_q = row(LSE), row(DELTA)
+        temp_q = row(TEMP) if has_temp else None
+        mask = None
+        if masked:
+          q_pos, k_pos = position_tiles((bkv, bq), q_start, k_start, 1)
+          seg_q = (load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], col_layout)
+                   if has_seg else None)
+          mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded, query_axis=1)
+        logits = scores_to_logits(spec, scores_t, temp_q, mask, fast_cap, query_axis=1)
+        p_t = probabilities(logits, lse2_q)
+        dv = _accumulate(plgpu, dv, p_t.astype(dtype), do_smem.at[s, :, column_half(part)],
+                         None)
+        ds_t = logits_grad(spec, p_t, dp_t, delta_q, logits, temp_q, fast_cap)
+        ds16, back = matmul_operand(ds_t, dtype, axis=1)
+        dk = _accumulate(plgpu, dk, ds16, q_smem.at[s, :, column_half(part)], back)
+        plgpu.barrier_arrive(q_free.at[s])
+        return dk, dv
+
+      def query_tile(qb, carry, masked):
+        return lax.fori_loop(0, group, lambda g, c: visit(qb, g, c, masked), carry)
+
+      zeros = plgpu.layout_cast(jnp.zeros((bkv, half), jnp.float32), plgpu.Layout.WGMMA)
+      dk, dv = tile_loop(tiles_, query_tile, (zeros, zeros))
+      # Both warpgroups read all of K and V until here.
+      plgpu.barrier_arrive(computed)
+      plgpu.barrier_wait(computed)
+      k_halves[part] = dk.astype(dtype)  # K's and V's halves hold dk, dv on their way out
+      v_halves[part] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_halves.at[part], dk_ref.at[own + (column_half(part),)])
+      plgpu.copy_smem_to_gmem(v_halves.at[part], dv_ref.at[own + (column_half(part),)])
+      plgpu.wait_smem_to_gmem(0)
+
+    for part in (0, 1):
+      @pl.when(wg == part)
+      def _(part=part):
+        plgpu.set_max_registers(232, action="increase")
+        compute(part)
+
+    @pl.when(wg == 2)
+    def _memory():
+      stream_queries(bi, kv_head, first, last, slot, q_ref, do_ref, rows_ref,
+                     q_smem, do_smem, rows_smem, q_loaded, do_loaded, rows_loaded, q_free)
 
   dq_call = plgpu.kernel(
       dq_kernel,
@@ -363,6 +581,51 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       compiler_params=params,
       kernel_name="ua_backward_dkv_mosaic",
   )
+  if halves:
+    dq_call = plgpu.kernel(
+        dq_halves_kernel,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=[
+            plgpu.SMEM((2, bq_dq, head_dim // 2), dtype, transforms=swizzled),
+            plgpu.SMEM((2, bq_dq, head_dim // 2), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, bkv_halves, head_dim), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, bkv_halves, head_dim), dtype, transforms=swizzled),
+            plgpu.Barrier(num_barriers=4),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
+        ],
+        grid=(hq, seq_pad // bq_dq, b),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=params,
+        kernel_name="ua_backward_dq_halves_mosaic",
+    )
+    dkv_call = plgpu.kernel(
+        dkv_halves_kernel,
+        out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
+        scratch_types=[
+            plgpu.SMEM((2, bkv_dkv, head_dim // 2), dtype, transforms=swizzled),
+            plgpu.SMEM((2, bkv_dkv, head_dim // 2), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, num_rows, bq_dkv), jnp.float32),
+            plgpu.Barrier(num_barriers=4),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
+        ],
+        grid=(hkv, seq_pad // bkv_dkv, b),
+        grid_names=("heads", "kv_tiles", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=params,
+        kernel_name="ua_backward_dkv_halves_mosaic",
+    )
   dq = dk = dv = None
   with fast_math.native("mosaic"):
     if "dq" in kernels:

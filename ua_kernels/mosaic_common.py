@@ -62,9 +62,14 @@ def warpgroup_span(ranges_ref, batch, program, warpgroup, has_segments: bool):
   """(span, uniform) of the tile a compute warpgroup owns (tile 2 * program +
   warpgroup of tile_spans' ``ranges_ref``), each two scalars, for tile_math's
   ``span`` and ``uniform``; (None, None) without segment ids."""
+  return tile_span(ranges_ref, batch, 2 * program + warpgroup, has_segments)
+
+
+def tile_span(ranges_ref, batch, tile, has_segments: bool):
+  """(span, uniform) of tile ``tile`` of tile_spans' ``ranges_ref`` (see
+  warpgroup_span); (None, None) without segment ids."""
   if not has_segments:
     return None, None
-  tile = 2 * program + warpgroup
   return ((ranges_ref[batch, tile, 0], ranges_ref[batch, tile, 1]),
           (ranges_ref[batch, tile, 2], ranges_ref[batch, tile, 3]))
 
