@@ -9,7 +9,7 @@ import pytest
 
 import ua_kernels
 from ua_kernels import KernelConfig
-from ua_kernels.segment_spans import segment_ranges, segment_runs, segment_spans
+from ua_kernels.segment_spans import segment_ranges, segment_runs, segment_spans, tile_ranges
 from ua_reference.contract import validate
 from ua_kernels.tile_math import kv_block_range, q_block_range
 from properties.runner import x64
@@ -167,6 +167,35 @@ def test_segment_spans_hold_every_position_of_the_segment(ids):
     if (diffs >= 0).all() or (diffs <= 0).all() or ((seg >= 0) & (seg < len(ids))).all():
       assert (spans[0, i], spans[1, i]) == (where.min(), where.max() + 1)
   assert (spans[0, len(ids):] == len(ids) + 2).all() and (spans[1, len(ids):] == 0).all()
+
+
+@pytest.mark.parametrize("layout", ["packed", "random", "unnumbered", "descending", "alternating",
+                                    "ids up to T"])
+@pytest.mark.parametrize("block", [1, 4, 16])
+def test_tile_ranges_reduce_the_spans_and_runs_of_their_positions(layout, block):
+  """The Mosaic kernels' per-tile ranges (tile_ranges, from per-tile scans) are
+  the hull of the tile's positions' spans and the intersection of their runs
+  (empty where that is), padding tiles and tiles straddling the end included."""
+  rng = np.random.default_rng(block)
+  for _ in range(12):
+    b, t = int(rng.integers(1, 3)), int(rng.integers(1, 70))
+    seq_pad = -(-t // block) * block + block * int(rng.integers(0, 2))
+    seg = {"packed": lambda: np.sort(rng.integers(0, 5, size=(b, t)), axis=1),
+           "random": lambda: rng.integers(0, 3, size=(b, t)),
+           "unnumbered": lambda: rng.integers(-2, 3, size=(b, t)) * 1000,
+           "descending": lambda: -np.sort(rng.integers(0, 4, size=(b, t)), axis=1) * 10 ** 8,
+           "alternating": lambda: (np.arange(t)[None].repeat(b, 0) // int(rng.integers(1, 9))) % 2,
+           "ids up to T": lambda: rng.integers(0, t, size=(b, t))}[layout]()
+    ids = jnp.asarray(seg, jnp.int32)
+    spans = np.asarray(segment_spans(ids, seq_pad)).reshape(b, 2, -1, block)
+    runs = np.asarray(segment_runs(ids, seq_pad)).reshape(b, 2, -1, block)
+    got = np.asarray(tile_ranges(ids, seq_pad, block))
+    np.testing.assert_array_equal(got[..., 0], spans[:, 0].min(-1))
+    np.testing.assert_array_equal(got[..., 1], spans[:, 1].max(-1))
+    lo, hi = runs[:, 0].max(-1), runs[:, 1].min(-1)
+    np.testing.assert_array_equal(got[..., 2] >= got[..., 3], lo >= hi)
+    np.testing.assert_array_equal(np.where(lo < hi, got[..., 2], 0), np.where(lo < hi, lo, 0))
+    np.testing.assert_array_equal(np.where(lo < hi, got[..., 3], 0), np.where(lo < hi, hi, 0))
 
 
 @pytest.mark.parametrize("segments", ["packed", "random", "unnumbered"])

@@ -49,9 +49,9 @@ from ua_reference.contract import StaticSpec
 from . import fast_math, mosaic_common
 from .kernel_config import MosaicTiles
 from .mosaic_common import (load_vector, own_tiles, position_tiles, program_span,
-                            program_tiles, tile_span, tile_spans, warpgroup_span)
+                            program_tiles, tile_span, warpgroup_span)
 from .padding import pad
-from .segment_spans import segment_ranges
+from .segment_spans import tile_ranges
 from .tile_math import (kv_tiles, logits_grad, matmul_operand, probabilities, q_tiles,
                         scaled_back, scores_to_logits, tile_loop, visible_mask)
 
@@ -117,9 +117,8 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   has_seg, has_temp = seg is not None, temp is not None
   # Each kernel reads the spans of its warpgroups' tiles (query tiles for dq,
   # key tiles for dk/dv).
-  ranges = segment_ranges(seg, seq_pad) if has_seg else None
   spans_dq, spans_dkv = (
-      (tile_spans(ranges, bq_dq), tile_spans(ranges, bkv_dkv)) if has_seg else
+      (tile_ranges(seg, seq_pad, bq_dq), tile_ranges(seg, seq_pad, bkv_dkv)) if has_seg else
       (jnp.zeros((b, seq_pad // bq_dq, 4), jnp.int32),
        jnp.zeros((b, seq_pad // bkv_dkv, 4), jnp.int32)))
   seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)

@@ -42,32 +42,19 @@ def position_tiles(shape, q_start, k_start, query_axis: int):
   return q_start + iota(query_axis), k_start + iota(1 - query_axis)
 
 
-def tile_spans(ranges, block: int):
-  """[B, T_pad / block, 4] int32: for each tile of ``block`` positions, [lo, hi)
-  of the positions that share a segment with some position of the tile (the
-  hull of its positions' spans), then [lo, hi) of the run of one id that holds
-  the whole tile, empty if none does (the intersection of its positions'
-  runs), from segment_spans.segment_ranges' [B, 4, T_pad] ``ranges``. Computed
-  outside the kernels, which read them as scalars: a reduction of a vector to
-  a scalar inside a Mosaic kernel goes through one shared-memory scratch area,
-  which warpgroups reducing at once would share."""
-  b, _, t = ranges.shape
-  per_tile = ranges.reshape(b, 4, t // block, block)
-  return jnp.stack([per_tile[:, 0].min(axis=-1), per_tile[:, 1].max(axis=-1),
-                    per_tile[:, 2].max(axis=-1), per_tile[:, 3].min(axis=-1)],
-                   axis=-1).astype(jnp.int32)
-
-
 def warpgroup_span(ranges_ref, batch, program, warpgroup, has_segments: bool):
   """(span, uniform) of the tile a compute warpgroup owns (tile 2 * program +
-  warpgroup of tile_spans' ``ranges_ref``), each two scalars, for tile_math's
-  ``span`` and ``uniform``; (None, None) without segment ids."""
+  warpgroup of ``ranges_ref``, segment_spans.tile_ranges, computed outside the
+  kernels: a vector reduced to a scalar inside a Mosaic kernel goes through one
+  shared-memory scratch area, which warpgroups reducing at once would share),
+  each two scalars, for tile_math's ``span`` and ``uniform``; (None, None)
+  without segment ids."""
   return tile_span(ranges_ref, batch, 2 * program + warpgroup, has_segments)
 
 
 def tile_span(ranges_ref, batch, tile, has_segments: bool):
-  """(span, uniform) of tile ``tile`` of tile_spans' ``ranges_ref`` (see
-  warpgroup_span); (None, None) without segment ids."""
+  """(span, uniform) of tile ``tile`` of segment_spans.tile_ranges'
+  ``ranges_ref`` (see warpgroup_span); (None, None) without segment ids."""
   if not has_segments:
     return None, None
   return ((ranges_ref[batch, tile, 0], ranges_ref[batch, tile, 1]),

@@ -38,10 +38,10 @@ from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
 from .mosaic_common import (load_vector, own_tiles, position_tiles, program_span,
-                            program_tiles, tile_spans, warpgroup_span)
+                            program_tiles, warpgroup_span)
 from .kernel_config import MosaicTiles
 from .padding import pad
-from .segment_spans import segment_ranges
+from .segment_spans import tile_ranges
 from .softmax_state import SoftmaxState
 from .tile_math import fixed_shift, kv_tiles, scores_to_logits, tile_loop, visible_mask
 
@@ -76,7 +76,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
 
   q, k, v = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
   has_seg, has_temp = seg is not None, temp is not None
-  spans = (tile_spans(segment_ranges(seg, seq_pad), block_q) if has_seg
+  spans = (tile_ranges(seg, seq_pad, block_q) if has_seg
            else jnp.zeros((b, seq_pad // block_q, 4), jnp.int32))
   seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)
   temp = (pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad}) if has_temp

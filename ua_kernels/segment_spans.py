@@ -82,3 +82,50 @@ def segment_ranges(seg, seq_pad: int):
   runs = _runs(seg)
   return jnp.concatenate([_pad_empty(*_spans(seg, runs), seq_pad), _pad_empty(*runs, seq_pad)],
                          axis=1)
+
+
+def tile_ranges(seg, seq_pad: int, block: int):
+  """[B, T_pad / block, 4] int32, per tile of ``block`` positions: the hull of
+  its positions' spans (segment_spans) and the intersection of their runs
+  (segment_runs; empty, [T_pad, 0), where the tile holds two runs or
+  padding), the same values as reducing segment_ranges over each tile, but
+  from per-tile reductions and scans over the T_pad / block tiles only: the
+  per-position scans of segment_runs are as long as the row.
+
+  A tile's first position has run start ``run_lo`` (the last run start at or
+  before it) and its last one run end ``run_hi`` (the first start after the
+  tile, or T); for in-order ids these bound the hull of the tile's segments,
+  and for a tile with no start after its first position they are its run."""
+  b, t = seg.shape
+  n = seq_pad // block
+  index = jnp.arange(seq_pad, dtype=jnp.int32)
+  valid = index < t
+  padded = jnp.pad(seg, ((0, 0), (0, seq_pad - t)))
+  start = jnp.concatenate([jnp.ones((b, 1), bool), padded[:, 1:] != padded[:, :-1]],
+                          axis=1) & valid
+  per_tile = lambda x: x.reshape(b, n, block)
+  last_in = per_tile(jnp.where(start, index, -1)).max(axis=-1)
+  first_in = per_tile(jnp.where(start, index, seq_pad)).min(axis=-1)
+  edge = lambda value: jnp.full((b, 1), value, jnp.int32)
+  last_before = jnp.concatenate([edge(-1), jax.lax.cummax(last_in, axis=1)[:, :-1]], axis=1)
+  first_after = jnp.concatenate(
+      [jax.lax.cummin(first_in, axis=1, reverse=True)[:, 1:], edge(seq_pad)], axis=1)
+  tile_start = jnp.arange(n, dtype=jnp.int32) * block
+  starts = per_tile(start)
+  run_lo = jnp.where(starts[:, :, 0], tile_start, last_before)
+  run_hi = jnp.minimum(first_after, t)
+  any_valid = tile_start < t
+  all_valid = tile_start + block <= t
+  uniform = all_valid & ~starts[:, :, 1:].any(axis=-1)
+  empty_lo, empty_hi = jnp.int32(seq_pad), jnp.int32(0)
+
+  before, after = seg[:, :-1], seg[:, 1:]
+  monotone = (jnp.all(after >= before, axis=1) | jnp.all(after <= before, axis=1))[:, None]
+  ext_lo, ext_hi = _extents(seg)
+  ext = _pad_empty(ext_lo, ext_hi, seq_pad).reshape(b, 2, n, block)
+  span_lo = jnp.where(monotone, run_lo, ext[:, 0].min(axis=-1))
+  span_hi = jnp.where(monotone, run_hi, ext[:, 1].max(axis=-1))
+  return jnp.stack([jnp.where(any_valid, span_lo, empty_lo),
+                    jnp.where(any_valid, span_hi, empty_hi),
+                    jnp.where(uniform, run_lo, empty_lo),
+                    jnp.where(uniform, run_hi, empty_hi)], axis=-1).astype(jnp.int32)
