@@ -48,8 +48,8 @@ from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
 from .kernel_config import MosaicTiles
-from .mosaic_common import (load_vector, own_tiles, position_tiles, program_span,
-                            program_tiles, tile_span, warpgroup_span)
+from .mosaic_common import (load_vector, own_tiles, position_tiles, program_spans,
+                            program_tiles, tile_span)
 from .padding import pad
 from .segment_spans import tile_ranges
 from .tile_math import (kv_tiles, logits_grad, matmul_operand, probabilities, q_tiles,
@@ -146,9 +146,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     tile = lax.axis_index("q_tiles")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(group))
+    hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg, has_seg)
     cta_lo, cta_hi = program_tiles(kv_tiles(
-        spec_padded, tile * 2 * bq, 2 * bq, bkv, padded,
-        program_span(spans_ref, bi, tile, has_seg)))
+        spec_padded, tile * 2 * bq, 2 * bq, bkv, padded, hull))
     slot = lambda kb: lax.rem(kb - cta_lo, jnp.int32(stages))
 
     @pl.when(wg < 2)
@@ -162,7 +162,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       row = lambda i: load_vector(rows_ref.at[bi, h, i, pl.ds(q_start, bq)], row_layout)
       lse2_q, delta_q = row(LSE), row(DELTA)
       temp_q = row(TEMP) if has_temp else None
-      seg_q = load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], row_layout) if has_seg else None
       plgpu.barrier_wait(q_loaded.at[wg])
       plgpu.barrier_wait(do_loaded.at[wg])
 
@@ -182,8 +181,10 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         mask = None
         if masked:
           q_pos, k_pos = position_tiles((bq, bkv), q_start, kb * bkv, 0)
-          seg_k = (load_vector(seg_ref.at[bi, pl.ds(kb * bkv, bkv)], col_layout)
-                   if has_seg else None)
+          # The ids are read only where a mask needs them (as the forward).
+          seg_q, seg_k = ((load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], row_layout),
+                           load_vector(seg_ref.at[bi, pl.ds(kb * bkv, bkv)], col_layout))
+                          if has_seg else (None, None))
           mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded)
         logits = scores_to_logits(spec, scores, temp_q, mask, fast_cap)
         p = probabilities(logits, lse2_q)
@@ -196,7 +197,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
       lo, full_lo, full_hi, hi = own_tiles(kv_tiles(
           spec_padded, q_start, bq, bkv, padded,
-          *warpgroup_span(spans_ref, bi, tile, wg, has_seg)), cta_lo, cta_hi)
+          own_span, own_uniform), cta_lo, cta_hi)
       dq = lax.fori_loop(cta_lo, lo, drain, dq)
       dq = tile_loop((lo, full_lo, full_hi, hi), visit, dq)
       dq = lax.fori_loop(hi, cta_hi, drain, dq)
@@ -265,7 +266,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       row = lambda i: load_vector(rows_ref.at[bi, h, i, pl.ds(q_start, bq)], row_layout)
       lse2_q, delta_q = row(LSE), row(DELTA)
       temp_q = row(TEMP) if has_temp else None
-      seg_q = load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], row_layout) if has_seg else None
       for i in range(4):
         plgpu.barrier_wait(qdo_loaded.at[i])
 
@@ -288,8 +288,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         mask = None
         if masked:
           q_pos, k_pos = position_tiles((bq, bkv), q_start, kb * bkv, 0)
-          seg_k = (load_vector(seg_ref.at[bi, pl.ds(kb * bkv, bkv)], col_layout)
-                   if has_seg else None)
+          seg_q, seg_k = ((load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], row_layout),
+                           load_vector(seg_ref.at[bi, pl.ds(kb * bkv, bkv)], col_layout))
+                          if has_seg else (None, None))
           mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded)
         logits = scores_to_logits(spec, scores, temp_q, mask, fast_cap)
         p = probabilities(logits, lse2_q)
@@ -328,9 +329,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     kv_head = lax.axis_index("heads")
     tile = lax.axis_index("kv_tiles")
     wg = lax.axis_index("wg")
+    hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg, has_seg)
     cta_lo, cta_hi = program_tiles(q_tiles(
-        spec_padded, tile * 2 * bkv, bq, 2 * bkv, padded,
-        program_span(spans_ref, bi, tile, has_seg)))
+        spec_padded, tile * 2 * bkv, bq, 2 * bkv, padded, hull))
     # The streamed steps: step n is query tile n // group of query head
     # kv_head * group + n % group.
     first, last = cta_lo * group, cta_hi * group
@@ -344,7 +345,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       own = (bi, pl.ds(k_start, bkv), kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem, k_loaded.at[wg])
       plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem, v_loaded.at[wg])
-      seg_k = load_vector(seg_ref.at[bi, pl.ds(k_start, bkv)], row_layout) if has_seg else None
       plgpu.barrier_wait(k_loaded.at[wg])
       plgpu.barrier_wait(v_loaded.at[wg])
 
@@ -371,8 +371,10 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         mask = None
         if masked:
           q_pos, k_pos = position_tiles((bkv, bq), q_start, k_start, 1)
-          seg_q = (load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], col_layout)
-                   if has_seg else None)
+          # The ids are read only where a mask needs them (as the forward).
+          seg_q, seg_k = ((load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], col_layout),
+                           load_vector(seg_ref.at[bi, pl.ds(k_start, bkv)], row_layout))
+                          if has_seg else (None, None))
           mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded, query_axis=1)
         logits = scores_to_logits(spec, scores_t, temp_q, mask, fast_cap, query_axis=1)
         p_t = probabilities(logits, lse2_q)
@@ -389,7 +391,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       zeros = plgpu.layout_cast(jnp.zeros((bkv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
       lo, full_lo, full_hi, hi = own_tiles(q_tiles(
           spec_padded, k_start, bq, bkv, padded,
-          *warpgroup_span(spans_ref, bi, tile, wg, has_seg)), cta_lo, cta_hi)
+          own_span, own_uniform), cta_lo, cta_hi)
       carry = lax.fori_loop(first, lo * group, drain, (zeros, zeros))
       carry = tile_loop((lo, full_lo, full_hi, hi), query_tile, carry)
       dk, dv = lax.fori_loop(hi * group, last, drain, carry)
@@ -467,7 +469,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
           plgpu.copy_gmem_to_smem(v_ref.at[own + (column_half(h),)], v_halves.at[h],
                                   kv_loaded.at[2 + h])
 
-      seg_k = load_vector(seg_ref.at[bi, pl.ds(k_start, bkv)], row_layout) if has_seg else None
       for i in range(4):
         plgpu.barrier_wait(kv_loaded.at[i])
 
@@ -497,8 +498,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         mask = None
         if masked:
           q_pos, k_pos = position_tiles((bkv, bq), q_start, k_start, 1)
-          seg_q = (load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], col_layout)
-                   if has_seg else None)
+          seg_q, seg_k = ((load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], col_layout),
+                           load_vector(seg_ref.at[bi, pl.ds(k_start, bkv)], row_layout))
+                          if has_seg else (None, None))
           mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded, query_axis=1)
         logits = scores_to_logits(spec, scores_t, temp_q, mask, fast_cap, query_axis=1)
         p_t = probabilities(logits, lse2_q)

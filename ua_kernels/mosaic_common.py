@@ -42,33 +42,36 @@ def position_tiles(shape, q_start, k_start, query_axis: int):
   return q_start + iota(query_axis), k_start + iota(1 - query_axis)
 
 
-def warpgroup_span(ranges_ref, batch, program, warpgroup, has_segments: bool):
-  """(span, uniform) of the tile a compute warpgroup owns (tile 2 * program +
-  warpgroup of ``ranges_ref``, segment_spans.tile_ranges, computed outside the
-  kernels: a vector reduced to a scalar inside a Mosaic kernel goes through one
-  shared-memory scratch area, which warpgroups reducing at once would share),
-  each two scalars, for tile_math's ``span`` and ``uniform``; (None, None)
-  without segment ids."""
-  return tile_span(ranges_ref, batch, 2 * program + warpgroup, has_segments)
+def program_spans(ranges_ref, batch, program, warpgroup, has_segments: bool):
+  """(hull, span, uniform) of a program whose two compute warpgroups own tiles
+  2 * program and 2 * program + 1 of ``ranges_ref`` (segment_spans.tile_ranges,
+  computed outside the kernels: a vector reduced to a scalar inside a Mosaic
+  kernel goes through one shared-memory scratch area, which warpgroups reducing
+  at once would share). ``hull`` is the smallest range holding both tiles'
+  spans, for the program's tile range; ``span`` and ``uniform`` are those of
+  ``warpgroup``'s own tile (the second's for the memory warpgroup, which uses
+  only the hull), for tile_math's ``span`` and ``uniform``. Each a pair of
+  scalars; (None, None, None) without segment ids.
+
+  All eight scalars are read here, at the program's start, at once: read in
+  two groups, the second after the query ids, the H200 forward ran 11% slower
+  than without segment ids (docs/BENCHMARKS.md)."""
+  if not has_segments:
+    return None, None, None
+  first, second = ([ranges_ref[batch, 2 * program + w, j] for j in range(4)] for w in (0, 1))
+  hull = jnp.minimum(first[0], second[0]), jnp.maximum(first[1], second[1])
+  own = [jnp.where(warpgroup == 0, a, b) for a, b in zip(first, second)]
+  return hull, (own[0], own[1]), (own[2], own[3])
 
 
 def tile_span(ranges_ref, batch, tile, has_segments: bool):
   """(span, uniform) of tile ``tile`` of segment_spans.tile_ranges'
-  ``ranges_ref`` (see warpgroup_span); (None, None) without segment ids."""
+  ``ranges_ref``, for a program that owns one tile (see program_spans);
+  (None, None) without segment ids."""
   if not has_segments:
     return None, None
   return ((ranges_ref[batch, tile, 0], ranges_ref[batch, tile, 1]),
           (ranges_ref[batch, tile, 2], ranges_ref[batch, tile, 3]))
-
-
-def program_span(ranges_ref, batch, program, has_segments: bool):
-  """The hull of the spans of a program's two warpgroup tiles, the smallest
-  range holding both (None without segment ids)."""
-  if not has_segments:
-    return None
-  (lo0, hi0), _ = warpgroup_span(ranges_ref, batch, program, 0, True)
-  (lo1, hi1), _ = warpgroup_span(ranges_ref, batch, program, 1, True)
-  return jnp.minimum(lo0, lo1), jnp.maximum(hi0, hi1)
 
 
 def own_tiles(tiles, program_lo, program_hi):
