@@ -45,6 +45,9 @@ SHAPE_CLASSES = [
     # other's runs.
     (1, 512, 2, 2, 64, jnp.bfloat16, dict(segment_ids=128)),
     (2, 512, 4, 2, 128, jnp.float16, dict(segment_ids=96, causal=True)),
+    # The halves kernels (head dim above 128) on packed documents, padding,
+    # GQA and temperature.
+    (1, 300, 4, 2, 256, jnp.bfloat16, dict(segment_ids=True, causal=True, temperature=True)),
 ]
 
 
@@ -105,6 +108,53 @@ def test_shared_memory_overflow_is_a_lowering_error():
   config = KernelConfig(backend="mosaic", mosaic=MosaicTiles(block_kv=256, stages=4))
   with pytest.raises(ValueError, match="shared memory"):
     _lowered_text(lambda q, k, v: ua_kernels.attention(q, k, v, config=config), args, extra)
+
+
+# Backward tiles at head dim 256: the defaults, then ones that pass MosaicTiles'
+# validation but exceed a block's shared memory in the halves kernels.
+HALVES_TILES = [MosaicTiles(), MosaicTiles(block_kv_dq=64), MosaicTiles(block_q_dq=128),
+                MosaicTiles(block_kv_dkv=128), MosaicTiles(block_q_dkv=128),
+                MosaicTiles(stages_bwd=3)]
+
+
+@pytest.mark.parametrize("tiles", HALVES_TILES, ids=repr)
+def test_halves_shared_memory_estimate_matches_lowering(tiles):
+  """mosaic_backward.halves_shared_memory decides whether the dispatch runs
+  the backward on Mosaic at head dims above 128; Mosaic's lowering agrees:
+  the tiles it rejects overflow there, the ones it accepts lower."""
+  b, t, h, d = 1, 256, 2, 256
+  spec = _spec(d=d)
+  x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  rows = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
+
+  def gradients(q, k, v, lse2, delta, dout):
+    return mosaic_backward.backward(spec, tiles, q, k, v, None, None, lse2, delta, dout,
+                                    fast_cap=False)
+
+  fits = mosaic_backward.unsupported(spec, jnp.bfloat16, tiles) is None
+  assert fits == (mosaic_backward.halves_shared_memory(tiles, 2) <= 232448)
+  config = KernelConfig(backend="mosaic", mosaic=tiles)
+  assert backward_backend(spec, config, jnp.bfloat16) == ("mosaic" if fits else "triton")
+  lower = lambda: _lowered_text(gradients, (x, x, x, rows, rows, x), {})
+  if fits:
+    assert "ua_backward_dq_halves_mosaic" in lower()
+  else:
+    with pytest.raises(ValueError, match="shared memory"):
+      lower()
+
+
+def test_tiles_too_large_for_the_halves_kernels_run_the_backward_on_triton():
+  """Such tiles ran the backward on Triton before the halves kernels existed;
+  they still do, after the Mosaic forward."""
+  args, extra, _ = _arguments(1, 256, 2, 2, 256, jnp.bfloat16, {})
+  config = KernelConfig(backend="mosaic", mosaic=MosaicTiles(block_q_dq=128), interpret=False)
+
+  def loss(q, k, v):
+    return ua_kernels.attention(q, k, v, config=config).astype(jnp.float32).sum()
+
+  text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), args, extra)
+  assert "ua_forward_mosaic" in text and "ua_backward_dq" in text
+  assert "_halves_mosaic" not in text
 
 
 def _spec(dtype=jnp.bfloat16, d=128, **options):

@@ -184,9 +184,10 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
 
 def backward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
   """"mosaic" or "triton": the kernels of the backward, the forward's backend
-  where its backward supports the call (the Mosaic one: head dims up to 256)."""
+  where its backward supports the call (the Mosaic one: head dims up to 256,
+  above 128 with tiles whose shared memory fits; mosaic_backward.unsupported)."""
   if (forward_backend(spec, config, dtype) == "mosaic"
-      and mosaic_backward.unsupported(spec, dtype) is None):
+      and mosaic_backward.unsupported(spec, dtype, config.mosaic) is None):
     return "mosaic"
   return "triton"
 

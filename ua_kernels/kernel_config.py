@@ -17,7 +17,10 @@ class MosaicTiles:
   head dim 256); ``stages``: slots of the K/V ring. Backward: the dq kernel
   owns ``block_q_dq`` query rows per warpgroup and streams ``block_kv_dq``
   keys; the dk/dv kernel owns ``block_kv_dkv`` keys per warpgroup and streams
-  ``block_q_dkv`` queries; both with rings of ``stages_bwd`` slots."""
+  ``block_q_dkv`` queries; both with rings of ``stages_bwd`` slots. Above head
+  dim 128 the dq kernel streams at most 64 keys, and backward tiles whose
+  shared memory does not fit run the backward on Triton
+  (mosaic_backward.halves_shared_memory)."""
 
   block_q: int = 64
   block_kv: int | None = None

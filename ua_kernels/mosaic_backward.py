@@ -62,14 +62,39 @@ MAX_HEAD_DIM = 256
 HALVES_ABOVE = 128
 
 
-def unsupported(spec: StaticSpec, dtype) -> str | None:
-  """Why the Mosaic backward cannot run this call (None: it can)."""
+def unsupported(spec: StaticSpec, dtype, tiles: MosaicTiles | None = None) -> str | None:
+  """Why the Mosaic backward cannot run this call (None: it can); with
+  ``tiles``, also whether they fit the halves kernels' shared memory."""
   if why := mosaic_common.dtype_error(dtype):
     return why
   if spec.head_dim > MAX_HEAD_DIM:
     return (f"the Mosaic backward takes head dims up to {MAX_HEAD_DIM}, not "
             f"{spec.head_dim}")
+  if tiles is not None and spec.head_dim > HALVES_ABOVE:
+    need = halves_shared_memory(tiles, jnp.dtype(dtype).itemsize)
+    if need > mosaic_common.MAX_SHARED_MEMORY:
+      return (f"at head dims above {HALVES_ABOVE} the Mosaic backward with {tiles} needs "
+              f"{need} bytes of shared memory, more than the "
+              f"{mosaic_common.MAX_SHARED_MEMORY} of a block")
   return None
+
+
+def halves_shared_memory(tiles: MosaicTiles, itemsize: int) -> int:
+  """Shared memory (bytes) of the larger of dq_halves_kernel and
+  dkv_halves_kernel with ``tiles``, as their scratch below declares it
+  (head dim 2 * HALVES_ABOVE, three per-query rows, 8-byte barriers). Tiles
+  that pass MosaicTiles' validation can exceed a block's shared memory here
+  (128-row tiles, three stages), which the dispatch sends to Triton."""
+  head_dim, stages = 2 * HALVES_ABOVE, tiles.stages_bwd
+  bkv_halves = min(tiles.block_kv_dq, 64)
+  dq = (2 * 2 * tiles.block_q_dq * (head_dim // 2) * itemsize
+        + 2 * stages * bkv_halves * head_dim * itemsize
+        + (5 + 3 * stages) * mosaic_common.BARRIER_BYTES)
+  dkv = (2 * 2 * tiles.block_kv_dkv * (head_dim // 2) * itemsize
+         + 2 * stages * tiles.block_q_dkv * head_dim * itemsize
+         + stages * 3 * tiles.block_q_dkv * 4
+         + (5 + 4 * stages) * mosaic_common.BARRIER_BYTES)
+  return max(dq, dkv)
 
 
 def _accumulate(plgpu, acc, a, b_smem, back):
@@ -107,6 +132,8 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   halves = d > HALVES_ABOVE
   head_dim = 2 * HALVES_ABOVE if halves else mosaic_common.padded_head_dim(d)
   bq_dq, bkv_dq = tiles.block_q_dq, tiles.block_kv_dq
+  # The dq halves kernel streams at most 64 keys per tile (two stages of
+  # 128 keys at head dim 256 do not fit beside the query halves).
   bkv_halves = min(bkv_dq, 64)
   bq_dkv, bkv_dkv = tiles.block_q_dkv, tiles.block_kv_dkv
   seq_pad = mosaic_common.padded_length(t, 2 * bq_dq, bkv_dq, bq_dkv, 2 * bkv_dkv)

@@ -15,6 +15,10 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Head dims are padded to a multiple of 64: one 128-byte swizzled row of
 # 16-bit values.
 HEAD_DIM_MULTIPLE = 64
+# Shared memory one block may use on sm90 (H100, H200): 227 KiB.
+MAX_SHARED_MEMORY = 232448
+# Bytes of one mbarrier in shared memory.
+BARRIER_BYTES = 8
 
 
 def plgpu():
