@@ -23,7 +23,8 @@ registers for dv += pT dO and dk += dsT Q: its tiles hold queries along axis 1
 (tile_math's ``query_axis``).
 
 Every rule of the contract comes from tile_math, shared with the Triton
-kernels: scores_to_logits, visible_mask, probabilities, logits_grad (the cap's
+kernels: scores_to_logits and visible_mask (through mosaic_common.tile_logits,
+as in the forward), probabilities, logits_grad (the cap's
 derivative from the registry), matmul_operand (float16's range), and the tile
 ranges q_tiles/kv_tiles (with segment ids, within the spans of the tile's
 documents, and without a mask inside its run of one id).
@@ -48,12 +49,12 @@ from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
 from .kernel_config import MosaicTiles
-from .mosaic_common import (load_vector, own_tiles, position_tiles, program_spans,
+from .mosaic_common import (load_vector, own_tiles, program_spans, tile_logits,
                             program_tiles, tile_span)
 from .padding import pad
 from .segment_spans import tile_ranges
 from .tile_math import (kv_tiles, logits_grad, matmul_operand, probabilities, q_tiles,
-                        scaled_back, scores_to_logits, tile_loop, visible_mask)
+                        scaled_back, tile_loop)
 
 MAX_HEAD_DIM = 256
 # Above this head dim both kernels split the gradients' columns between their
@@ -205,15 +206,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         plgpu.barrier_wait(v_loaded.at[s])
         scores, dp = _scores_pair(plgpu, q_smem, k_smem.at[s].transpose((1, 0)),
                                   do_smem, v_smem.at[s].transpose((1, 0)), (bq, bkv))
-        mask = None
-        if masked:
-          q_pos, k_pos = position_tiles((bq, bkv), q_start, kb * bkv, 0)
-          # The ids are read only where a mask needs them (as the forward).
-          seg_q, seg_k = ((load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], row_layout),
-                           load_vector(seg_ref.at[bi, pl.ds(kb * bkv, bkv)], col_layout))
-                          if has_seg else (None, None))
-          mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded)
-        logits = scores_to_logits(spec, scores, temp_q, mask, fast_cap)
+        logits = tile_logits(spec, scores, temp_q, q_start, kb * bkv, masked=masked,
+                             seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
+                             fast_cap=fast_cap)
         p = probabilities(logits, lse2_q)
         ds = logits_grad(spec, p, dp, delta_q, logits, temp_q, fast_cap)
         ds16, back = matmul_operand(ds, dtype, axis=1)
@@ -312,14 +307,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         plgpu.barrier_wait(k_loaded.at[s])
         plgpu.barrier_wait(v_loaded.at[s])
         scores, dp = scores_pair(s)
-        mask = None
-        if masked:
-          q_pos, k_pos = position_tiles((bq, bkv), q_start, kb * bkv, 0)
-          seg_q, seg_k = ((load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], row_layout),
-                           load_vector(seg_ref.at[bi, pl.ds(kb * bkv, bkv)], col_layout))
-                          if has_seg else (None, None))
-          mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded)
-        logits = scores_to_logits(spec, scores, temp_q, mask, fast_cap)
+        logits = tile_logits(spec, scores, temp_q, q_start, kb * bkv, masked=masked,
+                             seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
+                             fast_cap=fast_cap)
         p = probabilities(logits, lse2_q)
         ds = logits_grad(spec, p, dp, delta_q, logits, temp_q, fast_cap)
         ds16, back = matmul_operand(ds, dtype, axis=1)
@@ -395,15 +385,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         row = lambda i: load_vector(rows_smem.at[s, i], col_layout)
         lse2_q, delta_q = row(LSE), row(DELTA)
         temp_q = row(TEMP) if has_temp else None
-        mask = None
-        if masked:
-          q_pos, k_pos = position_tiles((bkv, bq), q_start, k_start, 1)
-          # The ids are read only where a mask needs them (as the forward).
-          seg_q, seg_k = ((load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], col_layout),
-                           load_vector(seg_ref.at[bi, pl.ds(k_start, bkv)], row_layout))
-                          if has_seg else (None, None))
-          mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded, query_axis=1)
-        logits = scores_to_logits(spec, scores_t, temp_q, mask, fast_cap, query_axis=1)
+        logits = tile_logits(spec, scores_t, temp_q, q_start, k_start, masked=masked,
+                             seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
+                             fast_cap=fast_cap, query_axis=1)
         p_t = probabilities(logits, lse2_q)
         dv = _accumulate(plgpu, dv, p_t.astype(dtype), do_smem.at[s], None)
         ds_t = logits_grad(spec, p_t, dp_t, delta_q, logits, temp_q, fast_cap)
@@ -522,14 +506,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         row = lambda i: load_vector(rows_smem.at[s, i], col_layout)
         lse2_q, delta_q = row(LSE), row(DELTA)
         temp_q = row(TEMP) if has_temp else None
-        mask = None
-        if masked:
-          q_pos, k_pos = position_tiles((bkv, bq), q_start, k_start, 1)
-          seg_q, seg_k = ((load_vector(seg_ref.at[bi, pl.ds(q_start, bq)], col_layout),
-                           load_vector(seg_ref.at[bi, pl.ds(k_start, bkv)], row_layout))
-                          if has_seg else (None, None))
-          mask = visible_mask(spec, q_pos, k_pos, seg_q, seg_k, padded=padded, query_axis=1)
-        logits = scores_to_logits(spec, scores_t, temp_q, mask, fast_cap, query_axis=1)
+        logits = tile_logits(spec, scores_t, temp_q, q_start, k_start, masked=masked,
+                             seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
+                             fast_cap=fast_cap, query_axis=1)
         p_t = probabilities(logits, lse2_q)
         dv = _accumulate(plgpu, dv, p_t.astype(dtype), do_smem.at[s, :, column_half(part)],
                          None)

@@ -7,8 +7,11 @@ import inspect
 import math
 
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
+
+from .tile_math import scores_to_logits, visible_mask
 
 # bfloat16 and float16: wgmma's 16-bit operands (float32 stays on Triton).
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -44,6 +47,28 @@ def position_tiles(shape, q_start, k_start, query_axis: int):
   mgpu = plgpu()
   iota = lambda axis: mgpu.broadcasted_iota(jnp.int32, shape, axis, layout=mgpu.Layout.WGMMA)
   return q_start + iota(query_axis), k_start + iota(1 - query_axis)
+
+
+def tile_logits(spec: StaticSpec, scores, temp, q_start, k_start, *, masked: bool,
+                seg_ref, batch, padded: bool, fast_cap: bool, query_axis: int = 0):
+  """The logits of a score tile (tile_math.scores_to_logits) whose queries
+  start at ``q_start`` and keys at ``k_start``, along ``query_axis``; where
+  ``masked``, hidden by tile_math.visible_mask, for which the tile's segment
+  ids are read here from ``seg_ref`` (None: no segment ids). The ids are read
+  only for masked tiles: read once per program, beside the span scalars,
+  they cost 11% of the forward on the H200 (docs/BENCHMARKS.md)."""
+  mask = None
+  if masked:
+    mgpu = plgpu()
+    q_pos, k_pos = position_tiles(scores.shape, q_start, k_start, query_axis)
+    q_len, k_len = scores.shape if query_axis == 0 else scores.shape[::-1]
+    q_layout, k_layout = (mgpu.Layout.WGMMA.reduce(1 - query_axis),
+                          mgpu.Layout.WGMMA.reduce(query_axis))
+    q_seg, k_seg = ((load_vector(seg_ref.at[batch, pl.ds(q_start, q_len)], q_layout),
+                     load_vector(seg_ref.at[batch, pl.ds(k_start, k_len)], k_layout))
+                    if seg_ref is not None else (None, None))
+    mask = visible_mask(spec, q_pos, k_pos, q_seg, k_seg, padded=padded, query_axis=query_axis)
+  return scores_to_logits(spec, scores, temp, mask, fast_cap, query_axis=query_axis)
 
 
 def program_spans(ranges_ref, batch, program, warpgroup, has_segments: bool):

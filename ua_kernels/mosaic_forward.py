@@ -11,12 +11,13 @@ one's softmax overlaps the other's matmuls.
 
 Every masking and capping rule comes from tile_math, as in the Triton kernels:
 the logits are tile_math.scores_to_logits of the wgmma's scores, the mask is
-tile_math.visible_mask of position tiles, the online softmax is
+tile_math.visible_mask of position tiles (both through mosaic_common.tile_logits,
+shared with the backward kernels), the online softmax is
 SoftmaxState.step, and the key-tile ranges are tile_math.kv_tiles (causal and
 window tiles outside the band, and with segment ids the tiles outside the spans
 of a tile's documents, are never loaded; the fully visible ones run without a
-mask). The memory warpgroup loads the union of both compute
-warpgroups' ranges; a compute warpgroup passes over tiles of that union that
+mask). The memory warpgroup loads the hull of both compute
+warpgroups' ranges; a compute warpgroup passes over tiles of that hull that
 are outside its own range ("drain": it waits for and releases the slot, and
 keeps the schedule barrier's count), since a barrier's phase is tracked by
 each waiting thread and must not be skipped.
@@ -37,13 +38,13 @@ from jax.experimental import pallas as pl
 from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
-from .mosaic_common import (load_vector, own_tiles, position_tiles, program_spans,
+from .mosaic_common import (load_vector, own_tiles, program_spans, tile_logits,
                             program_tiles)
 from .kernel_config import MosaicTiles
 from .padding import pad
 from .segment_spans import tile_ranges
 from .softmax_state import SoftmaxState
-from .tile_math import fixed_shift, kv_tiles, scores_to_logits, tile_loop, visible_mask
+from .tile_math import fixed_shift, kv_tiles, tile_loop
 
 # 256 is the largest head dim whose tiles fit the shared memory.
 MAX_HEAD_DIM = 256
@@ -86,7 +87,6 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
   # spec's own seq_len (visible_mask's padded flag hides the padding).
   spec_padded = dataclasses.replace(spec, seq_len=seq_pad)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
-  col_layout = plgpu.Layout.WGMMA.reduce(0)
 
   def kernel(q_ref, k_ref, v_ref, seg_ref, spans_ref, temp_ref, out_ref, lse_ref,
              q_smem2, k_smem, v_smem, lse_smem2,
@@ -139,16 +139,9 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
 
         scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[s])
-        mask = None
-        if masked:
-          q_pos, k_pos = position_tiles((block_q, block_kv), q_start, kb * block_kv, 0)
-          # The ids are read only where a mask needs them: read once per
-          # program, with the span reads, they cost 11% of the forward.
-          q_seg, k_seg = ((load_vector(seg_ref.at[bi, pl.ds(q_start, block_q)], row_layout),
-                           load_vector(seg_ref.at[bi, pl.ds(kb * block_kv, block_kv)],
-                                       col_layout)) if has_seg else (None, None))
-          mask = visible_mask(spec, q_pos, k_pos, q_seg, k_seg, padded=padded)
-        logits = scores_to_logits(spec, scores, q_temp, mask, fast_cap)
+        logits = tile_logits(spec, scores, q_temp, q_start, kb * block_kv, masked=masked,
+                             seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
+                             fast_cap=fast_cap)
         m, l, correction, p = state.step(logits, shift)
         acc = state.rescaled_acc(correction)
         p = p.astype(dtype)
