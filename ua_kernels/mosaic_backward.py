@@ -144,11 +144,11 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   q, k, v, dout = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v, dout))
   has_seg, has_temp = seg is not None, temp is not None
   # Each kernel reads the spans of its warpgroups' tiles (query tiles for dq,
-  # key tiles for dk/dv).
-  spans_dq, spans_dkv = (
-      (tile_ranges(seg, seq_pad, bq_dq), tile_ranges(seg, seq_pad, bkv_dkv)) if has_seg else
-      (jnp.zeros((b, seq_pad // bq_dq, 4), jnp.int32),
-       jnp.zeros((b, seq_pad // bkv_dkv, 4), jnp.int32)))
+  # key tiles for dk/dv); one array where both tiles have the same length.
+  spans = {block: (tile_ranges(seg, seq_pad, block) if has_seg
+                   else jnp.zeros((b, seq_pad // block, 4), jnp.int32))
+           for block in {bq_dq, bkv_dkv}}
+  spans_dq, spans_dkv = spans[bq_dq], spans[bkv_dkv]
   seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)
   # Per-query rows of each head, [B, Hq, R, T_pad]: the dk/dv kernel's TMA
   # warpgroup copies a query tile's lse, delta (and temperature) at once.
