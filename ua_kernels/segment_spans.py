@@ -45,12 +45,18 @@ def _extents(seg):
   return jnp.where(in_table, lo, 0), jnp.where(in_table, hi, t)
 
 
+def _monotone(seg):
+  """[B, 1] bool: rows whose ids never decrease or never increase (documents
+  numbered in order), whose runs are their segments' extents. Compared, not
+  subtracted: a difference of int32 ids can wrap around."""
+  before, after = seg[:, :-1], seg[:, 1:]
+  return (jnp.all(after >= before, axis=1) | jnp.all(after <= before, axis=1))[:, None]
+
+
 def _spans(seg, runs):
   """Per position, [lo, hi) of its segment's extent (unpadded; see segment_spans),
   from the row's ``runs`` (_runs) where its ids are monotone."""
-  # Compared, not subtracted: a difference of int32 ids can wrap around.
-  before, after = seg[:, :-1], seg[:, 1:]
-  monotone = (jnp.all(after >= before, axis=1) | jnp.all(after <= before, axis=1))[:, None]
+  monotone = _monotone(seg)
   (run_lo, run_hi), (ext_lo, ext_hi) = runs, _extents(seg)
   return jnp.where(monotone, run_lo, ext_lo), jnp.where(monotone, run_hi, ext_hi)
 
@@ -119,8 +125,7 @@ def tile_ranges(seg, seq_pad: int, block: int):
   uniform = all_valid & ~starts[:, :, 1:].any(axis=-1)
   empty_lo, empty_hi = jnp.int32(seq_pad), jnp.int32(0)
 
-  before, after = seg[:, :-1], seg[:, 1:]
-  monotone = (jnp.all(after >= before, axis=1) | jnp.all(after <= before, axis=1))[:, None]
+  monotone = _monotone(seg)
   ext_lo, ext_hi = _extents(seg)
   ext = _pad_empty(ext_lo, ext_hi, seq_pad).reshape(b, 2, n, block)
   span_lo = jnp.where(monotone, run_lo, ext[:, 0].min(axis=-1))
