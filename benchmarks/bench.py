@@ -35,7 +35,6 @@ import ua_kernels
 from properties.impls import PALLAS_MHA_TILES
 from ua_kernels.attention import backward_backend, forward_backend
 from ua_kernels.backends import triton_attention
-from ua_kernels.mosaic_backward import fuses_dq
 from ua_kernels.tuned_configs import default_config
 from ua_reference.contract import validate
 
@@ -349,15 +348,6 @@ def main(argv=None):
                "ua_kernels[triton]": {**dataclasses.asdict(config), "forward": "triton",
                                       "backward": "triton"},
                **PEER_CONFIGS}
-    # The Mosaic backward with dq's terms added by the dk/dv kernel
-    # (MosaicTiles.fused_dq), where it applies.
-    fused = dataclasses.replace(config, mosaic=dataclasses.replace(config.mosaic, fused_dq=True))
-    if (backward_backend(spec, fused, q.dtype) == "mosaic"
-        and fuses_dq(fused.mosaic, q.dtype, d)):
-      impls["ua_kernels[fused_dq]"] = functools.partial(
-          _with_runtime_options, functools.partial(ua_kernels.attention, config=fused), **static)
-      configs["ua_kernels[fused_dq]"] = {**dataclasses.asdict(fused), "forward": "mosaic",
-                                         "backward": "mosaic"}
     if not options.no_peers:
       impls.update(peers(causal, window, cap, doc, hq, hkv))
     label = f"B{b} T{t} H{hq}/{hkv} D{d}" + ("" if options.dtype == "bfloat16" else " f16") + \

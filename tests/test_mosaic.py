@@ -50,12 +50,6 @@ SHAPE_CLASSES = [
     (1, 300, 4, 2, 256, jnp.bfloat16, dict(segment_ids=True, causal=True, temperature=True)),
 ]
 
-# MosaicTiles.fused_dq: the bfloat16 classes at head dims 65 to 128 it applies
-# to, and packed documents, padding, GQA, temperature and a window with it.
-FUSED_CLASSES = [SHAPE_CLASSES[i] for i in (1, 6, 8)] + [
-    (1, 200, 4, 2, 96, jnp.bfloat16, dict(segment_ids=True, temperature=True, window_len=70))]
-FUSED = KernelConfig(backend="mosaic", mosaic=MosaicTiles(fused_dq=True))
-
 
 def _arguments(b, t, hq, hkv, d, dtype, options):
   options = dict(options)
@@ -105,33 +99,6 @@ def test_backward_lowers_for_cuda(shape_class):
   halves = "_halves" if shape_class[4] > mosaic_backward.HALVES_ABOVE else ""
   for kernel in ("ua_backward_dq", "ua_backward_dkv"):
     assert f"{kernel}{halves}_mosaic" in text
-
-
-@pytest.mark.parametrize("shape_class", FUSED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
-def test_fused_dq_lowers_for_cuda_without_the_dq_kernel(shape_class):
-  """With MosaicTiles.fused_dq the gradient is the forward and one backward
-  kernel, the dk/dv kernel that also adds dq's terms (its Ref argument renames
-  it in the module: only the count of Mosaic kernels tells it apart)."""
-  args, extra, options = _arguments(*shape_class)
-  config = dataclasses.replace(FUSED, interpret=False)
-
-  def loss(q, k, v, **extra):
-    return ua_kernels.attention(q, k, v, config=config, **options, **extra).astype(
-        jnp.float32).sum()
-
-  text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), args, extra)
-  assert "ua_forward_mosaic" in text
-  assert "ua_backward_dq_mosaic" not in text and "ua_backward_dkv_mosaic" not in text
-  assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
-
-
-@pytest.mark.parametrize("dtype, d, fuses", [(jnp.bfloat16, 128, True), (jnp.bfloat16, 65, True),
-                                             (jnp.bfloat16, 64, False),
-                                             (jnp.bfloat16, 192, False),
-                                             (jnp.float16, 128, False)])
-def test_fused_dq_applies_to_bfloat16_at_head_dims_65_to_128(dtype, d, fuses):
-  assert mosaic_backward.fuses_dq(MosaicTiles(fused_dq=True), dtype, d) == fuses
-  assert not mosaic_backward.fuses_dq(MosaicTiles(), dtype, d)
 
 
 def test_shared_memory_overflow_is_a_lowering_error():
@@ -231,8 +198,7 @@ def test_forcing_mosaic_in_the_interpreter_is_an_error():
 @pytest.mark.parametrize("field, value", [("block_q", 32), ("block_q", 256), ("block_kv", 96),
                                           ("stages", 1), ("block_kv", True), ("stages_bwd", 1),
                                           ("block_q_dq", 32), ("block_kv_dkv", 256),
-                                          ("block_kv_dq", 256), ("block_q_dkv", None),
-                                          ("fused_dq", 1)])
+                                          ("block_kv_dq", 256), ("block_q_dkv", None)])
 def test_mosaic_tiles_are_validated(field, value):
   with pytest.raises(ValueError, match=f"MosaicTiles.{field}"):
     MosaicTiles(**{field: value})
@@ -300,24 +266,14 @@ def test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones(shape_cla
   math in other tile orders and roundings) plus one 16-bit rounding of the
   gradient's scale. A wrong mask, tile range or missing term errs by the size
   of the gradient itself."""
-  _assert_as_close_as_triton(shape_class, MOSAIC)
-
-
-@pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
-@pytest.mark.parametrize("shape_class", FUSED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
-def test_fused_dq_gradients_are_as_close_to_the_reference_as_triton_ones(shape_class):
-  """MosaicTiles.fused_dq, compiled, by the same bound."""
-  _assert_as_close_as_triton(shape_class, FUSED)
-
-
-def _assert_as_close_as_triton(shape_class, config):
   import ua_reference
   (q, k, v), inputs, options = _gpu_inputs(shape_class)
   upcast = [x.astype(jnp.float32) for x in (q, k, v)]
   reference = _gradients(ua_reference.attention, *upcast, inputs, options)
-  run = lambda config: _gradients(functools.partial(ua_kernels.attention, config=config),
-                                  q, k, v, inputs, options)
-  mosaic, triton = run(config), run(KernelConfig(backend="triton"))
+  run = lambda backend: _gradients(
+      functools.partial(ua_kernels.attention, config=KernelConfig(backend=backend)),
+      q, k, v, inputs, options)
+  mosaic, triton = run("mosaic"), run("triton")
   eps = float(jnp.finfo(q.dtype).eps)
   for name, m, t, r in zip(("dq", "dk", "dv"), mosaic, triton, reference):
     m, t, r = (np.asarray(x, np.float32) for x in (m, t, r))

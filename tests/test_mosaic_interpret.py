@@ -7,13 +7,10 @@ forward and backward here against the Triton kernels in Pallas' interpreter.
 It lacks two things the kernels use, which the ``interpreter_gaps`` fixture
 supplies for these tests only, computing the same products in registers:
 ``pl.run_state`` over an initialised wgmma accumulator, and a wgmma operand in
-registers (p and ds); and, for MosaicTiles.fused_dq, a TMA copy that adds
-to global memory (``reduction_op="add"``). CI's jax 0.10 has no such
-interpreter and skips them.
+registers (p and ds). CI's jax 0.10 has no such interpreter and skips them.
 """
 
 import sys
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +26,8 @@ if not hasattr(plgpu, "InterpretGPUParams"):
 from jax.experimental import pallas as pl  # noqa: E402
 from jax._src.pallas import core as pallas_core  # noqa: E402
 from jax._src.state import types as state_types  # noqa: E402
-from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # noqa: E402
 
-from test_mosaic import FUSED_CLASSES, SHAPE_CLASSES, _gpu_inputs  # noqa: E402
+from test_mosaic import SHAPE_CLASSES, _gpu_inputs  # noqa: E402
 from ua_kernels import KernelConfig, MosaicTiles, mosaic_backward, mosaic_forward  # noqa: E402
 
 attention_module = sys.modules["ua_kernels.attention"]
@@ -73,50 +69,6 @@ def interpreter_gaps(monkeypatch):
 
   monkeypatch.setattr(pl, "run_state", run_state)
   monkeypatch.setattr(plgpu, "wgmma", wgmma)
-  monkeypatch.setattr(gpu_callbacks, "copy_smem_to_gmem",
-                      _with_reduce_add(gpu_callbacks.copy_smem_to_gmem))
-
-
-class _ReduceAddTask(gpu_callbacks.AsyncCopySmemToGmemTask):
-  """A TMA copy that adds the shared-memory tile to the global one (as
-  cp.reduce.async.bulk .add): one lock makes each read-add-store atomic
-  against the other warpgroups' and programs' adds."""
-
-  lock = threading.Lock()
-
-  def __call__(self, tma_thread_id):
-    memory = gpu_callbacks._get_shared_memory()
-    read = lambda key, access: memory.get_buffer_content(
-        key, access, self.thread, logging_info=self.logging_info)[0]
-    term = read(self.src_allocation_key, self.src_access)
-    with self.lock:
-      total = read(self.dst_allocation_key, self.dst_access)
-      memory.store_buffer_content(self.dst_allocation_key, self.dst_access, total + term,
-                                  self.thread, logging_info=self.logging_info)
-
-
-def _with_reduce_add(copy):
-  """The interpreter's smem-to-gmem copy, which raises NotImplementedError
-  for a reduction, with ``reduction_op="add"`` as _ReduceAddTask."""
-  def copy_smem_to_gmem(*, reduction_op, **kwargs):
-    if reduction_op is None:
-      return copy(reduction_op=None, **kwargs)
-    assert reduction_op == "add", reduction_op
-    assert kwargs.get("predicate") is None
-    memory = gpu_callbacks._get_shared_memory()
-    key = lambda name: gpu_callbacks.HostAllocationKey.from_array(kwargs[name])
-    transforms = lambda name: jax.tree.map(
-        int, gpu_callbacks._remove_noop_transforms(kwargs[name]))
-    src_key, dst_key = key("src_allocation_key_as_array"), key("dst_allocation_key_as_array")
-    memory.execute_async_task(_ReduceAddTask(
-        mesh_location=kwargs["mesh_location"], thread=kwargs["thread"],
-        src_allocation_key=src_key,
-        src_access=memory.access(src_key, transforms("src_transforms")),
-        dst_allocation_key=dst_key,
-        dst_access=memory.access(dst_key, transforms("dst_transforms")),
-        source_info=kwargs["source_info"]))
-    return kwargs["token"]
-  return copy_smem_to_gmem
 
 
 def _close(name, got, want, dtype, eps=None):
@@ -141,12 +93,6 @@ def _close(name, got, want, dtype, eps=None):
 OTHER_TILINGS = [MosaicTiles(block_kv=64, stages=3, block_kv_dq=64, stages_bwd=3),
                  MosaicTiles(block_q=128, block_q_dkv=128)]
 TILED_CLASSES = [SHAPE_CLASSES[i] for i in (1, 2, 5, 9)]
-
-
-@pytest.mark.parametrize("shape_class", FUSED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
-def test_fused_dq_matches_triton_in_the_interpreters(shape_class, interpreter_gaps):
-  assert mosaic_backward.fuses_dq(MosaicTiles(fused_dq=True), shape_class[5], shape_class[4])
-  _compare(shape_class, MosaicTiles(fused_dq=True))
 
 
 @pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")

@@ -20,11 +20,7 @@ class MosaicTiles:
   ``block_q_dkv`` queries; both with rings of ``stages_bwd`` slots. Above head
   dim 128 the dq kernel streams at most 64 keys, and backward tiles whose
   shared memory does not fit run the backward on Triton
-  (mosaic_backward.halves_shared_memory). ``fused_dq``: the dk/dv kernel also
-  adds dq's terms, in float32 by TMA reduce-adds, and the dq kernel does not
-  run (bfloat16 at head dims 65 to 128, mosaic_backward.fuses_dq): it does not
-  recompute the scores and dp a second time, and its dq is not bit-reproducible
-  (the order of the adds varies from run to run)."""
+  (mosaic_backward.halves_shared_memory)."""
 
   block_q: int = 64
   block_kv: int | None = None
@@ -34,7 +30,6 @@ class MosaicTiles:
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
   stages_bwd: int = 2
-  fused_dq: bool = False
 
   def __post_init__(self):
     for name, allowed in (("block_q", (64, 128)), ("block_kv", (None, 64, 128, 256)),
@@ -44,8 +39,6 @@ class MosaicTiles:
       if isinstance(value, bool) or value not in allowed:
         raise ValueError(f"MosaicTiles.{name} must be one of {allowed} (wgmma tiles), "
                          f"got {value!r}")
-    if not isinstance(self.fused_dq, bool):
-      raise ValueError(f"MosaicTiles.fused_dq must be a bool, got {self.fused_dq!r}")
     for name in ("stages", "stages_bwd"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 2:

@@ -61,9 +61,6 @@ MAX_HEAD_DIM = 256
 # two compute warpgroups (dq_halves_kernel, dkv_halves_kernel), on a head dim
 # padded to 2 * 128.
 HALVES_ABOVE = 128
-# The padded head dim at which MosaicTiles.fused_dq applies (fuses_dq).
-FUSED_HEAD_DIM = 128
-FUSED_COLUMNS = FUSED_HEAD_DIM // 2
 
 
 def unsupported(spec: StaticSpec, dtype, tiles: MosaicTiles | None = None) -> str | None:
@@ -121,31 +118,6 @@ def _scores_pair(plgpu, a1, b1, a2, b2, shape):
   return pl.run_scoped(both, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
 
-def _kernel_with_refs(plgpu, body, *, out_type, scratch_types, compiler_params, grid,
-                      grid_names, kernel_name):
-  """plgpu.kernel through pl.kernel, which also takes Ref arguments (aliased in
-  and out: the fused dq's float32 total, which the kernel adds to), where
-  plgpu.kernel's batching wrapper does not; the scratch is allocated as
-  plgpu.kernel allocates it."""
-  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg",
-                    kernel_name=kernel_name)
-
-  def with_scratch(*refs):
-    pl.run_scoped(lambda *scratch: body(*refs, *scratch), *scratch_types, collective_axes="wg")
-
-  return pl.kernel(with_scratch, out_type=out_type, mesh=mesh, compiler_params=compiler_params,
-                   name=kernel_name)
-
-
-def fuses_dq(tiles: MosaicTiles, dtype, head_dim: int) -> bool:
-  """Whether the dk/dv kernel also adds dq's terms (MosaicTiles.fused_dq):
-  bfloat16 (float16's per-row factors of ds differ between the two
-  warpgroups' halves of a tile) at padded head dim 128 (the two warpgroups
-  split dq's columns at one 128-byte swizzle row of 64)."""
-  return (tiles.fused_dq and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-          and mosaic_common.padded_head_dim(head_dim) == FUSED_HEAD_DIM)
-
-
 def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, delta, dout, *,
              fast_cap: bool, kernels=("dq", "dkv")):
   """(dq, dk, dv) of the unpadded inputs. ``lse2`` [B, Hq, T] is the forward's
@@ -168,7 +140,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   seq_pad = mosaic_common.padded_length(t, 2 * bq_dq, bkv_dq, bq_dkv, 2 * bkv_dkv)
   padded = seq_pad != t
   stages = tiles.stages_bwd
-  fused_dq = fuses_dq(tiles, dtype, d)
 
   q, k, v, dout = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v, dout))
   has_seg, has_temp = seg is not None, temp is not None
@@ -367,14 +338,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       stream_keys(bi, kv_head, lo, hi, slot, bkv, k_ref, v_ref, k_smem, v_smem,
                   k_loaded, v_loaded, kv_free)
 
-  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, *refs):
-    if fused_dq:
-      (dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, q_smem, do_smem, rows_smem, ds_smem, dq_smem,
-       k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free, ds_shared,
-       computed) = refs
-    else:
-      (dk_ref, dv_ref, k_smem2, v_smem2, q_smem, do_smem, rows_smem,
-       k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free) = refs
+  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dk_ref, dv_ref,
+                 k_smem2, v_smem2, q_smem, do_smem, rows_smem,
+                 k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free):
     bq, bkv = bq_dkv, bkv_dkv
     bi = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
@@ -405,35 +371,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         plgpu.barrier_wait(do_loaded.at[s])
         plgpu.barrier_wait(rows_loaded.at[s])
         plgpu.barrier_arrive(q_free.at[s])
-        if fused_dq:  # this warpgroup's keys add nothing; the other's may
-          add_dq(n, plgpu.layout_cast(jnp.zeros((bkv, bq), dtype), plgpu.Layout.WGMMA))
         return carry
-
-      def add_dq(n, ds16):
-        """dq[query tile] += dS K over both warpgroups' keys (fused_dq): each
-        warpgroup shares its dsT through shared memory, then takes dq's
-        columns [64 wg, 64 wg + 64) as two wgmmas (A transposed from shared
-        memory) and adds them to the float32 dq by a TMA reduce-add copy."""
-        d = lax.rem(n - first, jnp.int32(2))
-        ds_smem.at[d, wg][...] = ds16
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_shared.at[d])
-        plgpu.barrier_wait(ds_shared.at[d])
-        columns = pl.ds(wg * FUSED_COLUMNS, FUSED_COLUMNS)
-
-        def product(acc):
-          for w in range(2):
-            plgpu.wgmma(acc, ds_smem.at[d, w].transpose((1, 0)), k_smem2.at[w, :, columns])
-          return acc[...]
-
-        term = pl.run_scoped(product, plgpu.ACC((bq, FUSED_COLUMNS), jnp.float32))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last term's copy has read it
-        dq_smem.at[wg][...] = term
-        plgpu.commit_smem()
-        h = kv_head * group + lax.rem(n, jnp.int32(group))
-        qb = lax.div(n, jnp.int32(group))
-        plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[bi, pl.ds(qb * bq, bq), h, columns],
-                                reduction_op="add")
 
       def visit(qb, g, carry, masked):
         dk, dv = carry
@@ -456,8 +394,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         ds16, back = matmul_operand(ds_t, dtype, axis=1)
         dk = _accumulate(plgpu, dk, ds16, q_smem.at[s], back)
         plgpu.barrier_arrive(q_free.at[s])
-        if fused_dq:
-          add_dq(qb * group + g, ds16)
         return dk, dv
 
       def query_tile(qb, carry, masked):
@@ -470,9 +406,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       carry = lax.fori_loop(first, lo * group, drain, (zeros, zeros))
       carry = tile_loop((lo, full_lo, full_hi, hi), query_tile, carry)
       dk, dv = lax.fori_loop(hi * group, last, drain, carry)
-      if fused_dq:  # both warpgroups' last dq products have read both K tiles
-        plgpu.barrier_arrive(computed)
-        plgpu.barrier_wait(computed)
       k_smem[...] = dk.astype(dtype)  # K's and V's buffers hold dk, dv on their way out
       v_smem[...] = dv.astype(dtype)
       plgpu.commit_smem()
@@ -632,51 +565,29 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       compiler_params=params,
       kernel_name="ua_backward_dq_mosaic",
   )
-  dkv_scratch = [
-      plgpu.SMEM((2, bkv_dkv, head_dim), dtype, transforms=swizzled),
-      plgpu.SMEM((2, bkv_dkv, head_dim), dtype, transforms=swizzled),
-      plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
-      plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
-      plgpu.SMEM((stages, num_rows, bq_dkv), jnp.float32),
-  ]
-  dkv_barriers = [
-      plgpu.Barrier(num_barriers=2),
-      plgpu.Barrier(num_barriers=2),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-  ]
-  if fused_dq:
-    # Two slots of both warpgroups' dsT tiles, each warpgroup's dq columns.
-    dkv_call = _kernel_with_refs(
-        plgpu, dkv_kernel,
-        out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
-        scratch_types=[
-            *dkv_scratch,
-            plgpu.SMEM((2, 2, bkv_dkv, bq_dkv), dtype, transforms=swizzled),
-            plgpu.SMEM((2, bq_dkv, FUSED_COLUMNS), jnp.float32),
-            *dkv_barriers,
-            plgpu.Barrier(num_arrivals=2, num_barriers=2),
-            plgpu.Barrier(num_arrivals=2),
-        ],
-        grid=(hkv, seq_pad // (2 * bkv_dkv), b),
-        grid_names=("heads", "kv_tiles", "batch"),
-        compiler_params=params,
-        kernel_name="ua_backward_dkv_dq_mosaic",
-    )
-  else:
-    dkv_call = plgpu.kernel(
-        dkv_kernel,
-        out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
-        scratch_types=dkv_scratch + dkv_barriers,
-        grid=(hkv, seq_pad // (2 * bkv_dkv), b),
-        grid_names=("heads", "kv_tiles", "batch"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=params,
-        kernel_name="ua_backward_dkv_mosaic",
-    )
+  dkv_call = plgpu.kernel(
+      dkv_kernel,
+      out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
+      scratch_types=[
+          plgpu.SMEM((2, bkv_dkv, head_dim), dtype, transforms=swizzled),
+          plgpu.SMEM((2, bkv_dkv, head_dim), dtype, transforms=swizzled),
+          plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
+          plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
+          plgpu.SMEM((stages, num_rows, bq_dkv), jnp.float32),
+          plgpu.Barrier(num_barriers=2),
+          plgpu.Barrier(num_barriers=2),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      ],
+      grid=(hkv, seq_pad // (2 * bkv_dkv), b),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=params,
+      kernel_name="ua_backward_dkv_mosaic",
+  )
   if halves:
     dq_call = plgpu.kernel(
         dq_halves_kernel,
@@ -724,16 +635,8 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     )
   dq = dk = dv = None
   with fast_math.native("mosaic"):
-    if fused_dq:
-      if "dkv" in kernels:
-        # A Ref argument is aliased in and out of the kernel, which adds to it.
-        dq_total = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-        dk, dv = (x[:, :t, :, :d] for x in dkv_call(q, k, v, dout, rows, seg, spans_dkv,
-                                                     dq_total))
-        dq = dq_total[...][:, :t, :, :d].astype(dtype)
-    else:
-      if "dq" in kernels:
-        dq = dq_call(q, k, v, dout, rows, seg, spans_dq)[:, :t, :, :d]
-      if "dkv" in kernels:
-        dk, dv = (x[:, :t, :, :d] for x in dkv_call(q, k, v, dout, rows, seg, spans_dkv))
+    if "dq" in kernels:
+      dq = dq_call(q, k, v, dout, rows, seg, spans_dq)[:, :t, :, :d]
+    if "dkv" in kernels:
+      dk, dv = (x[:, :t, :, :d] for x in dkv_call(q, k, v, dout, rows, seg, spans_dkv))
   return dq, dk, dv
