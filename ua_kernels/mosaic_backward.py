@@ -255,6 +255,55 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     def _(kb):  # the last release of every slot (mosaic_forward)
       plgpu.barrier_wait(kv_free.at[slot(kb)])
 
+  # What the two halves kernels share: a program's own tiles (Q and dO for dq,
+  # K and V for dk/dv) sit in shared memory as two column halves; both compute
+  # warpgroups score them against the streamed tiles over both halves; each
+  # warpgroup writes its half of the gradients out through its own tiles' half.
+  half = head_dim // 2
+  column_half = lambda part: pl.ds(part * half, half)
+
+  def load_halves(refs, halves, own, loaded):
+    """The program's own tiles of ``refs`` into their [2, rows, half]
+    buffers, buffer i's half c arriving at barrier 2 * i + c."""
+    for c in range(2):
+      for i, (ref, buffer) in enumerate(zip(refs, halves)):
+        plgpu.copy_gmem_to_smem(ref.at[own + (column_half(c),)], buffer.at[c],
+                                loaded.at[2 * i + c])
+
+  def halves_scores_pair(a_halves, b_ring, c_halves, d_ring, s, shape):
+    """(A B^T, C D^T) over both column halves, A and C the program's own
+    halves, B and D slot ``s`` of the streamed rings; both wgmmas issued
+    before either is waited for."""
+    def both(acc1, acc2):
+      for c in range(2):
+        plgpu.wgmma(acc1, a_halves.at[c], b_ring.at[s, :, column_half(c)].transpose((1, 0)))
+        plgpu.wgmma(acc2, c_halves.at[c], d_ring.at[s, :, column_half(c)].transpose((1, 0)))
+      return acc1[...], acc2[...]
+    return pl.run_scoped(both, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+  def store_halves(part, computed, outputs, own):
+    """Warpgroup ``part``'s half of each gradient in ``outputs`` (the own
+    tiles' halves buffer, which holds it on its way out; the output ref; the
+    value) written out, once both warpgroups are done reading the own tiles."""
+    plgpu.barrier_arrive(computed)
+    plgpu.barrier_wait(computed)
+    for halves, _, value in outputs:
+      halves[part] = value.astype(dtype)
+    plgpu.commit_smem()
+    for halves, ref, _ in outputs:
+      plgpu.copy_smem_to_gmem(halves.at[part], ref.at[own + (column_half(part),)])
+    plgpu.wait_smem_to_gmem(0)
+
+  def run_halves(wg, compute, memory):
+    """Warpgroups 0 and 1 run ``compute(part)`` for their half, 2 ``memory()``."""
+    for part in (0, 1):
+      @pl.when(wg == part)
+      def _(part=part):
+        plgpu.set_max_registers(232, action="increase")
+        compute(part)
+
+    pl.when(wg == 2)(memory)
+
   def dq_halves_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dq_ref,
                        q_halves, do_halves, k_smem, v_smem,
                        qdo_loaded, k_loaded, v_loaded, kv_free, computed):
@@ -263,7 +312,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     split); both compute the scores and dp over the whole head dim. Key tiles
     of at most 64 keys, so that the K/V ring fits the shared memory."""
     bq, bkv = bq_dq, bkv_halves
-    half = head_dim // 2
     bi = lax.axis_index("batch")
     h = lax.axis_index("heads")
     tile = lax.axis_index("q_tiles")
@@ -276,37 +324,22 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     tiles_ = own_tiles(tiles_, lo, hi)
     slot = lambda kb: lax.rem(kb - lo, jnp.int32(stages))
     own = (bi, pl.ds(q_start, bq), h)
-    column_half = lambda part: pl.ds(part * half, half)
 
     def compute(part):
       if part == 0:  # one warpgroup loads the shared Q and dO halves
-        for c in range(2):
-          plgpu.copy_gmem_to_smem(q_ref.at[own + (column_half(c),)], q_halves.at[c],
-                                  qdo_loaded.at[c])
-          plgpu.copy_gmem_to_smem(do_ref.at[own + (column_half(c),)], do_halves.at[c],
-                                  qdo_loaded.at[2 + c])
+        load_halves((q_ref, do_ref), (q_halves, do_halves), own, qdo_loaded)
       row = lambda i: load_vector(rows_ref.at[bi, h, i, pl.ds(q_start, bq)], row_layout)
       lse2_q, delta_q = row(LSE), row(DELTA)
       temp_q = row(TEMP) if has_temp else None
       for i in range(4):
         plgpu.barrier_wait(qdo_loaded.at[i])
 
-      def scores_pair(s):
-        """s = Q K^T and dp = dO V^T over both column halves."""
-        def both(acc1, acc2):
-          for c in range(2):
-            plgpu.wgmma(acc1, q_halves.at[c], k_smem.at[s, :, column_half(c)].transpose((1, 0)))
-            plgpu.wgmma(acc2, do_halves.at[c],
-                        v_smem.at[s, :, column_half(c)].transpose((1, 0)))
-          return acc1[...], acc2[...]
-        return pl.run_scoped(both, plgpu.ACC((bq, bkv), jnp.float32),
-                             plgpu.ACC((bq, bkv), jnp.float32))
-
       def visit(kb, dq, masked):
         s = slot(kb)
         plgpu.barrier_wait(k_loaded.at[s])
         plgpu.barrier_wait(v_loaded.at[s])
-        scores, dp = scores_pair(s)
+        # s = Q K^T and dp = dO V^T
+        scores, dp = halves_scores_pair(q_halves, k_smem, do_halves, v_smem, s, (bq, bkv))
         logits = tile_logits(spec, scores, temp_q, q_start, kb * bkv, masked=masked,
                              seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
                              fast_cap=fast_cap)
@@ -319,24 +352,11 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
 
       dq = plgpu.layout_cast(jnp.zeros((bq, half), jnp.float32), plgpu.Layout.WGMMA)
       dq = tile_loop(tiles_, visit, dq)
-      # Both warpgroups read all of Q and dO until here.
-      plgpu.barrier_arrive(computed)
-      plgpu.barrier_wait(computed)
-      q_halves[part] = dq.astype(dtype)  # Q's halves hold dq on its way out
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_halves.at[part], dq_ref.at[own + (column_half(part),)])
-      plgpu.wait_smem_to_gmem(0)
+      store_halves(part, computed, [(q_halves, dq_ref, dq)], own)
 
-    for part in (0, 1):
-      @pl.when(wg == part)
-      def _(part=part):
-        plgpu.set_max_registers(232, action="increase")
-        compute(part)
-
-    @pl.when(wg == 2)
-    def _memory():
-      stream_keys(bi, kv_head, lo, hi, slot, bkv, k_ref, v_ref, k_smem, v_smem,
-                  k_loaded, v_loaded, kv_free)
+    run_halves(wg, compute, lambda: stream_keys(
+        bi, kv_head, lo, hi, slot, bkv, k_ref, v_ref, k_smem, v_smem, k_loaded, v_loaded,
+        kv_free))
 
   def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dk_ref, dv_ref,
                  k_smem2, v_smem2, q_smem, do_smem, rows_smem,
@@ -457,7 +477,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     K and V sit in shared memory as two column halves, so that each
     warpgroup's dk and dv go out from a contiguous buffer."""
     bq, bkv = bq_dkv, bkv_dkv
-    half = head_dim // 2
     bi = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
     tile = lax.axis_index("kv_tiles")
@@ -470,30 +489,13 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     first, last = lo * group, hi * group
     slot = lambda n: lax.rem(n - first, jnp.int32(stages))
     own = (bi, pl.ds(k_start, bkv), kv_head)
-    column_half = lambda part: pl.ds(part * half, half)
 
     def compute(part):
       if part == 0:  # one warpgroup loads the shared K and V halves
-        for h in range(2):
-          plgpu.copy_gmem_to_smem(k_ref.at[own + (column_half(h),)], k_halves.at[h],
-                                  kv_loaded.at[h])
-          plgpu.copy_gmem_to_smem(v_ref.at[own + (column_half(h),)], v_halves.at[h],
-                                  kv_loaded.at[2 + h])
+        load_halves((k_ref, v_ref), (k_halves, v_halves), own, kv_loaded)
 
       for i in range(4):
         plgpu.barrier_wait(kv_loaded.at[i])
-
-      def scores_pair(s):
-        """sT = K Q^T and dpT = V dO^T over both column halves."""
-        def both(acc1, acc2):
-          for h in range(2):
-            plgpu.wgmma(acc1, k_halves.at[h],
-                        q_smem.at[s, :, column_half(h)].transpose((1, 0)))
-            plgpu.wgmma(acc2, v_halves.at[h],
-                        do_smem.at[s, :, column_half(h)].transpose((1, 0)))
-          return acc1[...], acc2[...]
-        return pl.run_scoped(both, plgpu.ACC((bkv, bq), jnp.float32),
-                             plgpu.ACC((bkv, bq), jnp.float32))
 
       def visit(qb, g, carry, masked):
         dk, dv = carry
@@ -501,7 +503,8 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         q_start = qb * bq
         plgpu.barrier_wait(q_loaded.at[s])
         plgpu.barrier_wait(do_loaded.at[s])
-        scores_t, dp_t = scores_pair(s)
+        # sT = K Q^T and dpT = V dO^T
+        scores_t, dp_t = halves_scores_pair(k_halves, q_smem, v_halves, do_smem, s, (bkv, bq))
         plgpu.barrier_wait(rows_loaded.at[s])
         row = lambda i: load_vector(rows_smem.at[s, i], col_layout)
         lse2_q, delta_q = row(LSE), row(DELTA)
@@ -523,28 +526,19 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
 
       zeros = plgpu.layout_cast(jnp.zeros((bkv, half), jnp.float32), plgpu.Layout.WGMMA)
       dk, dv = tile_loop(tiles_, query_tile, (zeros, zeros))
-      # Both warpgroups read all of K and V until here.
-      plgpu.barrier_arrive(computed)
-      plgpu.barrier_wait(computed)
-      k_halves[part] = dk.astype(dtype)  # K's and V's halves hold dk, dv on their way out
-      v_halves[part] = dv.astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(k_halves.at[part], dk_ref.at[own + (column_half(part),)])
-      plgpu.copy_smem_to_gmem(v_halves.at[part], dv_ref.at[own + (column_half(part),)])
-      plgpu.wait_smem_to_gmem(0)
+      store_halves(part, computed, [(k_halves, dk_ref, dk), (v_halves, dv_ref, dv)], own)
 
-    for part in (0, 1):
-      @pl.when(wg == part)
-      def _(part=part):
-        plgpu.set_max_registers(232, action="increase")
-        compute(part)
+    run_halves(wg, compute, lambda: stream_queries(
+        bi, kv_head, first, last, slot, q_ref, do_ref, rows_ref, q_smem, do_smem, rows_smem,
+        q_loaded, do_loaded, rows_loaded, q_free))
 
-    @pl.when(wg == 2)
-    def _memory():
-      stream_queries(bi, kv_head, first, last, slot, q_ref, do_ref, rows_ref,
-                     q_smem, do_smem, rows_smem, q_loaded, do_loaded, rows_loaded, q_free)
+  def _warp_specialized(body, *, out_type, scratch_types, grid, grid_names, kernel_name):
+    """plgpu.kernel of a body whose warpgroups 0 and 1 compute and 2 copies."""
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=grid,
+                        grid_names=grid_names, num_threads=3, thread_name="wg",
+                        compiler_params=params, kernel_name=kernel_name)
 
-  dq_call = plgpu.kernel(
+  dq_call = _warp_specialized(
       dq_kernel,
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),
       scratch_types=[
@@ -560,12 +554,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       ],
       grid=(hq, seq_pad // (2 * bq_dq), b),
       grid_names=("heads", "q_tiles", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=params,
       kernel_name="ua_backward_dq_mosaic",
   )
-  dkv_call = plgpu.kernel(
+  dkv_call = _warp_specialized(
       dkv_kernel,
       out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
       scratch_types=[
@@ -583,13 +574,10 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
       ],
       grid=(hkv, seq_pad // (2 * bkv_dkv), b),
       grid_names=("heads", "kv_tiles", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=params,
       kernel_name="ua_backward_dkv_mosaic",
   )
   if halves:
-    dq_call = plgpu.kernel(
+    dq_call = _warp_specialized(
         dq_halves_kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=[
@@ -605,12 +593,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         ],
         grid=(hq, seq_pad // bq_dq, b),
         grid_names=("heads", "q_tiles", "batch"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=params,
         kernel_name="ua_backward_dq_halves_mosaic",
     )
-    dkv_call = plgpu.kernel(
+    dkv_call = _warp_specialized(
         dkv_halves_kernel,
         out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
         scratch_types=[
@@ -628,9 +613,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         ],
         grid=(hkv, seq_pad // bkv_dkv, b),
         grid_names=("heads", "kv_tiles", "batch"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=params,
         kernel_name="ua_backward_dkv_halves_mosaic",
     )
   dq = dk = dv = None
