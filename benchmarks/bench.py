@@ -319,6 +319,12 @@ def main(argv=None):
                       help="q, k, v dtype (every peer gets the same)")
   parser.add_argument("--json", default="bench.json")
   options = parser.parse_args(argv)
+  if options.repeats < 1:
+    parser.error(f"--repeats must be at least 1, got {options.repeats}")
+  if jax.default_backend() != "gpu":
+    print(f"ua-bench: no GPU (jax backend {jax.default_backend()}): the kernels run in the "
+          "Pallas interpreter, slowly, and the times say nothing of a GPU", file=sys.stderr,
+          flush=True)
   header = provenance(argv)
   rows = feature_rows(options) if options.set == "features" else []
   for b, t, hq, hkv, d, causal, window, cap, doc in CONFIGS.get(options.set, ()):

@@ -96,8 +96,23 @@ def _head_dims(name: str, value) -> Callable[[int], bool]:
   return dims.__contains__
 
 
+def _names(name: str, attr: str, value, what: str) -> tuple:
+  """A collection of names; a lone string is refused (iterating it would read
+  its letters as names)."""
+  if isinstance(value, str):
+    raise CapabilityError(f"{name}.{attr} must be a collection of {what}, not the string "
+                          f"{value!r} (write ({value!r},))")
+  try:
+    return tuple(value)
+  except TypeError:
+    raise CapabilityError(f"{name}.{attr} must be a collection of {what}, "
+                          f"got {value!r}") from None
+
+
 def _block_sizes(name: str, value) -> tuple[int, ...]:
   try:
+    if isinstance(value, str):
+      raise TypeError
     sizes = tuple(value)
   except TypeError:
     raise CapabilityError(f"{name}.ua_block_sizes must be a tuple of ints, got {value!r}") from None
@@ -116,13 +131,14 @@ def declare(name: str, fn: Callable) -> Implementation:
     raise CapabilityError(f"{name} declares unknown attributes {unknown}; "
                           f"known: {list(KNOWN_ATTRIBUTES)}")
   kwargs: dict[str, Any] = {}
-  unsupported = frozenset(getattr(fn, "ua_unsupported", ()))
+  unsupported = frozenset(_names(name, "ua_unsupported", getattr(fn, "ua_unsupported", ()),
+                                 "feature names"))
   if unsupported - set(FEATURES):
     raise CapabilityError(f"{name}.ua_unsupported names unknown features "
                           f"{sorted(unsupported - set(FEATURES))}; known: {FEATURES}")
   kwargs["unsupported"] = unsupported
   if hasattr(fn, "ua_dtypes"):
-    dtypes = tuple(getattr(fn, "ua_dtypes"))
+    dtypes = _names(name, "ua_dtypes", getattr(fn, "ua_dtypes"), "dtype names")
     if not dtypes or set(dtypes) - set(DTYPES):
       raise CapabilityError(f"{name}.ua_dtypes must name some of {DTYPES}, got {dtypes!r}")
     kwargs["dtypes"] = tuple(d for d in DTYPES if d in dtypes)
@@ -154,7 +170,13 @@ def load_impl(spec: str) -> Implementation:
   if not isinstance(spec, str) or ":" not in spec:
     raise ValueError(f"--impl must look like module:function, got {spec!r}")
   module_name, attr = spec.split(":", 1)
-  obj = importlib.import_module(module_name)
+  try:
+    obj = importlib.import_module(module_name)
+  except ModuleNotFoundError as exc:
+    if exc.name is None or not module_name.startswith(exc.name):
+      raise  # the module exists; something it imports does not
+    raise ModuleNotFoundError(f"{exc} (is its directory on PYTHONPATH?)",
+                              name=exc.name) from exc
   for part in attr.split("."):
     obj = getattr(obj, part)
   return declare(spec, obj)

@@ -91,6 +91,13 @@ def verify_main(argv=None) -> int:
                       help="comma-separated modules that register cap methods")
   parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
   args = parser.parse_args(argv)
+  if args.minutes is not None and not args.minutes > 0:
+    parser.error(f"--minutes must be positive, got {args.minutes:g}")
+  report_dir = os.path.dirname(os.path.abspath(args.report))
+  if not os.path.isdir(report_dir):
+    parser.error(f"--report {args.report}: no directory {report_dir}")
+  if os.path.exists(args.failures) and not os.path.isdir(args.failures):
+    parser.error(f"--failures {args.failures}: exists and is not a directory")
   import pytest
 
   gpu = args.profile == "gpu"
@@ -124,9 +131,26 @@ def verify_main(argv=None) -> int:
   problems = sum(r["failures"] + r["harness_errors"] for r in report.get("properties", {}).values())
   verdict = "PASS" if code == 0 and problems == 0 and report.get("cases") else "FAIL"
   written = f"report written to {args.report}" if report else "no report (nothing ran)"
+  if report:
+    missing = _properties_not_run(args.impl, report)
+    if missing:
+      print(f"\nnot run{' (the time box ended first)' if args.minutes else ''}: "
+            f"{', '.join(missing)}: the verdict covers the other properties only")
   print(f"\n{verdict}: {args.impl}, profile {args.profile}, {report.get('cases', 0)} cases "
         f"in {time.time() - start:.0f} s; {written}")
   return 0 if verdict == "PASS" else 1
+
+
+def _properties_not_run(impl_name: str, report: dict) -> list[str]:
+  """The properties that ``impl_name`` supports and no case of the report ran."""
+  from .capabilities import load_impl
+  from .registry import PROPERTIES
+  try:
+    impl = load_impl(impl_name)
+  except Exception:  # noqa: BLE001 -- pytest has reported it
+    return []
+  ran = {name for name, row in report.get("properties", {}).items() if row.get("cases")}
+  return [p.name for p in PROPERTIES if p.unsupported_by(impl) is None and p.name not in ran]
 
 
 def repro_main(argv=None) -> int:
@@ -139,15 +163,31 @@ def repro_main(argv=None) -> int:
                       help="comma-separated modules that register cap methods")
   args = parser.parse_args(argv)
   from .case import load_case_file, versions
-  payload = load_case_file(args.case_file)
-  import_modules(",".join([args.imports] + list(payload.get("imports", ()))))
+  try:
+    payload = load_case_file(args.case_file)
+  except (OSError, ValueError, KeyError, TypeError) as exc:
+    parser.error(f"{args.case_file}: not a readable case file ({type(exc).__name__}: {exc})")
+  names = ",".join([args.imports] + list(payload.get("imports", ())))
+  try:
+    import_modules(names)
+  except Exception as exc:  # noqa: BLE001 -- a usage error, not a reproduction
+    parser.error(f"--import {names}: {type(exc).__name__}: {exc}")
   from .capabilities import load_impl
   from .checks import PropertyFailure
   from .registry import get
   from .tolerance import error_table
 
   impl_name = args.impl or payload.get("impl") or DEFAULT_IMPL
-  prop, case = get(payload.get("property", "matches_oracle")), payload["case"]
+  try:
+    impl = load_impl(impl_name)
+  except Exception as exc:  # noqa: BLE001 -- nothing ran: not a reproduction
+    parser.error(f"--impl {impl_name}: cannot load the implementation "
+                 f"({type(exc).__name__}: {exc})")
+  try:
+    prop = get(payload.get("property", "matches_oracle"))
+  except ValueError as exc:
+    parser.error(f"{args.case_file}: {exc}")
+  case = payload["case"]
   recorded, now = payload.get("versions", {}), versions()
   where = now.get("device", now["backend"])
   print(f"case: {case}\nproperty: {prop.name}\nimpl: {impl_name}\n"
@@ -156,7 +196,7 @@ def repro_main(argv=None) -> int:
   if payload.get("status") in ("crashed", "timeout", "running"):
     print(f"note: this case {payload['status']} its worker when recorded; it may do so here")
   try:
-    errors = prop.check(load_impl(impl_name), case)
+    errors = prop.check(impl, case)
   except PropertyFailure as exc:
     print(f"FAIL: reproduces on {where}\n{exc}")
     return 1
@@ -197,7 +237,12 @@ def fuzz_main(argv=None) -> int:
   parser.add_argument("--import", dest="imports", default="",
                       help="comma-separated modules that register cap methods")
   args = parser.parse_args(argv)
-  imports = import_modules(args.imports)
+  if not args.minutes > 0:
+    parser.error(f"--minutes must be positive, got {args.minutes:g}")
+  try:
+    imports = import_modules(args.imports)
+  except Exception as exc:  # noqa: BLE001 -- a usage error
+    parser.error(f"--import {args.imports}: {type(exc).__name__}: {exc}")
   from hypothesis import HealthCheck, Phase, given, settings
   from hypothesis import strategies as st
   from hypothesis.database import DirectoryBasedExampleDatabase
@@ -210,10 +255,20 @@ def fuzz_main(argv=None) -> int:
   from .strategies import cases
   from .verifier import CaseFailure, Verifier
 
-  method = get_cap_method(args.cap)
-  impl = load_impl(args.impl)
+  try:
+    method = get_cap_method(args.cap)
+  except ValueError as exc:
+    parser.error(f"--cap: {exc}")
+  try:
+    impl = load_impl(args.impl)
+  except Exception as exc:  # noqa: BLE001 -- a usage error
+    parser.error(f"--impl {args.impl}: cannot load the implementation "
+                 f"({type(exc).__name__}: {exc})")
   if args.cap != "none" and "cap" in impl.unsupported:
     parser.error(f"{args.impl} declares cap methods unsupported")
+  if not impl.supports_cap(method.name):
+    parser.error(f"{args.impl} declares cap method {method.name!r} unsupported "
+                 f"(ua_cap_methods)")
   forms = impl.cap_forms(method.name) if impl.cap_forms else None
   print(f"checking cap method {method.name!r} (derivative, bounds, homogeneity, "
         f"{'the implementation form' if forms else 'no implementation form'})...", flush=True)

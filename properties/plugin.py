@@ -62,6 +62,36 @@ def pytest_addoption(parser):
 
 
 @pytest.hookimpl(tryfirst=True)
+def _check_options(config):
+  """The options' values, checked before anything runs: a report path in a
+  missing directory, a failures path that is a file, a negative time box, a
+  module that does not import, or (given explicitly) an implementation that
+  does not load is one usage error, not a crash at the end of the session or
+  a failure of every test."""
+  minutes = config.getoption("ua_minutes")
+  if minutes is not None and not minutes >= 0:  # 0: a spent box, every test skipped
+    raise pytest.UsageError(f"--ua-minutes must be at least 0, got {minutes}")
+  report = config.getoption("ua_report")
+  if report and not os.path.isdir(os.path.dirname(os.path.abspath(report))):
+    raise pytest.UsageError(f"--ua-report {report}: no directory "
+                            f"{os.path.dirname(os.path.abspath(report))}")
+  failures = config.getoption("ua_failures")
+  if os.path.exists(failures) and not os.path.isdir(failures):
+    raise pytest.UsageError(f"--ua-failures {failures}: exists and is not a directory")
+  names = config.getoption("ua_import")
+  try:
+    import_modules(names)
+  except Exception as exc:  # noqa: BLE001 -- reported as the usage error it is
+    raise pytest.UsageError(f"--ua-import {names}: {type(exc).__name__}: {exc}") from exc
+  impl = config.getoption("impl")
+  if impl != DEFAULT_IMPL and not hasattr(config, "workerinput"):
+    from .capabilities import load_impl
+    try:
+      load_impl(impl)
+    except Exception as exc:  # noqa: BLE001 -- as above
+      raise pytest.UsageError(f"--impl {impl}: {type(exc).__name__}: {exc}") from exc
+
+
 def pytest_configure(config):
   try:  # before Hypothesis's plugin loads the --hypothesis-profile it was given
     from . import profiles
@@ -69,7 +99,7 @@ def pytest_configure(config):
     pass
   else:
     profiles.register()
-  import_modules(config.getoption("ua_import"))
+  _check_options(config)
   cache = config.getoption("ua_compile_cache")
   if cache:
     import jax

@@ -74,3 +74,11 @@ def off_when_capped_attention(q, k, v, **kwargs):
   if kwargs.get("return_lse"):
     return out[0] * 1.001, out[1]
   return out * 1.001
+
+
+def tanh_only_attention(q, k, v, **kwargs):
+  """The reference, declaring the tanh cap as the only cap method it supports."""
+  return ua_reference.attention(q, k, v, **kwargs)
+
+
+tanh_only_attention.ua_cap_methods = ("tanh",)

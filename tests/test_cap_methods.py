@@ -34,7 +34,10 @@ _TANH = CAP_METHODS["tanh"]
     (dict(bounds=lambda c: (-2 * c, 2 * c)), "not reached"),
     (dict(forward=lambda x, c: c * jnp.tanh(x), grad=lambda x, c: c * (1 - jnp.tanh(x) ** 2)),
      "declared homogeneous"),
-], ids=["derivative", "bounds-too-tight", "bounds-not-reached", "not-homogeneous"])
+    (dict(forward=lambda x, c: jnp.where(jnp.abs(x) > 5.0, jnp.nan, c * jnp.tanh(x / c)),
+          grad=lambda x, c: 1 - jnp.tanh(x / c) ** 2, homogeneous=False),
+     "non-finite output"),
+], ids=["derivative", "bounds-too-tight", "bounds-not-reached", "not-homogeneous", "nan"])
 def test_each_check_names_the_method_and_the_point(changes, message):
   """A declaration the function contradicts is reported with the method's
   name, its parameters and an x where they disagree."""
@@ -81,3 +84,19 @@ def test_builtin_methods_meet_their_definitions():
                                np.where(x >= 0, 5 * np.tanh(x / 5), 2 * np.tanh(x / 2)))
     hard_grad = np.asarray(CAP_METHODS["hard"].grad(jnp.asarray([-5.0, 5.0, 5.0001, -7.0]), 5.0))
     np.testing.assert_array_equal(hard_grad, [1.0, 1.0, 0.0, 0.0])
+
+
+def test_the_documented_softsign_example_meets_its_declarations():
+  """docs/ADDING_A_CAP_METHOD.md's softsign, c*x/(c+|x|): its bounds are limits
+  (at x = inf the formula is inf/inf), passed by one rounding at x = 1e30, and
+  its homogeneity holds up to float64 subnormals, which XLA:CPU flushes."""
+  method = dataclasses.replace(
+      _TANH, name="softsign_test", forward=lambda x, c: c * x / (c + jnp.abs(x)),
+      grad=lambda x, c: (c / (c + jnp.abs(x))) ** 2, doc="c*x/(c+|x|)")
+  for declared in (method, dataclasses.replace(method, bounds=None)):
+    CAP_METHODS[method.name] = declared
+    try:
+      assert cap_checks.precheck(method.name, examples=200) is None
+      cap_checks.check_homogeneous(declared, (1.0,), np.asarray([2.35e-300, -1e-260, 3.0]), 326.0)
+    finally:
+      del CAP_METHODS[method.name]

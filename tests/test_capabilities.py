@@ -27,6 +27,11 @@ def _fn(**attrs):
     (dict(ua_block_sizes=(64, 0)), "positive ints"),
     (dict(ua_block_sizes=64), "tuple of ints"),
     (dict(ua_config=(64, 64)), "ua_config must be callable"),
+    # A lone string is not read as its letters.
+    (dict(ua_unsupported="causal"), "ua_unsupported must be a collection of feature names, "
+                                    "not the string 'causal'"),
+    (dict(ua_dtypes="float32"), "ua_dtypes must be a collection of dtype names, not the string"),
+    (dict(ua_block_sizes="64"), "tuple of ints"),
 ])
 def test_bad_declarations_are_errors(attrs, message):
   with pytest.raises(CapabilityError, match=message):

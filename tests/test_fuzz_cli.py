@@ -58,3 +58,53 @@ def test_a_campaign_reports_its_failure_once_and_stops(tmp_path, monkeypatch, ca
   out = capsys.readouterr().out
   assert code == 1 and "stopped at the first failure" in out
   assert out.count("replay: ua-repro ") == 1, out[-3000:]
+
+
+def _usage_error(main, argv, capsys):
+  """main(argv) exits with argparse's usage status 2; returns its message."""
+  with pytest.raises(SystemExit) as exit_info:
+    main(argv)
+  assert exit_info.value.code == 2
+  return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cap", "tanh", "--minutes", "0"], "--minutes must be positive"),
+    (["--cap", "nosuch"], "unknown cap_method 'nosuch'"),
+    (["--cap", "tanh", "--impl", "no_such_module_test:attention"], "cannot load"),
+    (["--cap", "tanh", "--import", "no_such_module_test"], "--import no_such_module_test"),
+    (["--cap", "hard", "--impl", "outside_kernels:tanh_only_attention"],
+     "declares cap method 'hard' unsupported"),
+])
+def test_fuzz_misuse_is_a_usage_error(argv, message, capsys, monkeypatch):
+  monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+  assert message in _usage_error(cli.fuzz_main, argv, capsys)
+
+
+def test_repro_without_its_implementation_or_case_is_a_usage_error(tmp_path, capsys):
+  """Nothing ran, so it is not a reproduction: usage errors, not "FAIL: reproduces"."""
+  assert "not a readable case file" in _usage_error(
+      cli.repro_main, [str(tmp_path / "missing.json")], capsys)
+  (tmp_path / "empty.json").write_text("{}")
+  assert "not a readable case file" in _usage_error(
+      cli.repro_main, [str(tmp_path / "empty.json")], capsys)
+  case = Case(batch=1, seq_len=3, num_q_heads=1, num_kv_heads=1, head_dim=16, dtype="float32")
+  from properties.case import write_case_file
+  path = tmp_path / "case.json"
+  write_case_file(path, case, "matches_oracle", "no_such_module_test:attention", status="failed")
+  err = _usage_error(cli.repro_main, [str(path)], capsys)
+  assert "cannot load the implementation" in err and "reproduces" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--report", "/nonexistent-dir-test/r.json"], "--report /nonexistent-dir-test/r.json"),
+    (["--minutes", "-1"], "--minutes must be positive"),
+])
+def test_verify_misuse_is_a_usage_error(argv, message, capsys):
+  assert message in _usage_error(cli.verify_main, argv, capsys)
+
+
+def test_verify_failures_path_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+  (tmp_path / "f").write_text("")
+  assert "is not a directory" in _usage_error(
+      cli.verify_main, ["--failures", str(tmp_path / "f")], capsys)

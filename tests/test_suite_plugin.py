@@ -121,3 +121,19 @@ def test_more_oracle_chunks_come_after_every_other_test():
   assert {t.chunk for t in extra} == {10, 11}
   assert len({t.id for t in more}) == len(more)
   assert property_tests(gpu, 3) == own  # fewer than the profile's: the profile's
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--impl=outside_kernels:no_such_function",), "--impl outside_kernels:no_such_function"),
+    (("--ua-import=no_such_module_test",), "--ua-import no_such_module_test"),
+    (("--ua-minutes=-1",), "--ua-minutes must be at least 0"),
+])
+def test_plain_pytest_misuse_is_one_usage_error(tmp_path, args, message):
+  """The plugin checks its options before collecting: one usage error (pytest's
+  status 4), not a failure of every test or an internal error."""
+  impl = [a for a in args if a.startswith("--impl=")]
+  proc, report = run_suite(tmp_path, impl[0][7:] if impl else "outside_kernels:tanh_only_attention",
+                           *[a for a in args if not a.startswith("--impl=")], timeout=300)
+  assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert message in proc.stderr and "INTERNALERROR" not in proc.stderr + proc.stdout
+  assert report is None
