@@ -61,7 +61,6 @@ def pytest_addoption(parser):
                   help="directory of JAX's persistent compilation cache")
 
 
-@pytest.hookimpl(tryfirst=True)
 def _check_options(config):
   """The options' values, checked before anything runs: a report path in a
   missing directory, a failures path that is a file, a negative time box, a
@@ -92,6 +91,7 @@ def _check_options(config):
       raise pytest.UsageError(f"--impl {impl}: {type(exc).__name__}: {exc}") from exc
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
   try:  # before Hypothesis's plugin loads the --hypothesis-profile it was given
     from . import profiles

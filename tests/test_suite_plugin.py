@@ -137,3 +137,11 @@ def test_plain_pytest_misuse_is_one_usage_error(tmp_path, args, message):
   assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
   assert message in proc.stderr and "INTERNALERROR" not in proc.stderr + proc.stdout
   assert report is None
+
+
+def test_the_ua_profiles_are_registered_before_hypothesis_loads_one(tmp_path):
+  """The plugin's pytest_configure runs before Hypothesis's (tryfirst), which
+  loads --hypothesis-profile: a ua-* profile must be registered by then."""
+  proc, _ = run_suite(tmp_path, "ua_reference:attention", "--hypothesis-profile=ua-ci",
+                      "--ua-minutes=0", "-k", "deterministic", timeout=300)
+  assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
