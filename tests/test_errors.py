@@ -38,6 +38,16 @@ BAD = {
                        ValueError, "takes 2 cap_params"),
     "non-positive cap": ((q, k, v), {"cap_method": "tanh", "cap_params": (0.0,)},
                          ValueError, "positive finite"),
+    # Not read as floats: a bool (True == 1.0), strings (float("5") == 5.0).
+    "bool cap param": ((q, k, v), {"cap_method": "tanh", "cap_params": (True,)},
+                       TypeError, "must be a static Python float, got bool"),
+    "string cap param": ((q, k, v), {"cap_method": "tanh", "cap_params": ("5",)},
+                         TypeError, "must be a static Python float, got str"),
+    "string cap params": ((q, k, v), {"cap_method": "tanh", "cap_params": "5"},
+                          TypeError, "cap_params must be a sequence of floats"),
+    "string sm_scale": ((q, k, v), {"sm_scale": "0.5"}, TypeError, "sm_scale must be a float"),
+    "string z-loss": ((q, k, v), {"z_loss_weight": "1"}, TypeError,
+                      "z_loss_weight must be a float"),
     "negative cap": ((q, k, v), {"cap_method": "hard", "cap_params": (-1.0,)},
                      ValueError, "positive finite"),
     "nan cap": ((q, k, v), {"cap_method": "hard", "cap_params": (float("nan"),)},
@@ -90,3 +100,33 @@ def test_kernel_config_errors(kwargs, error, message):
 def test_kernels_reject_non_config():
   with pytest.raises(TypeError, match="config must be a KernelConfig"):
     ua_kernels.attention(q, k, v, config={"block_q": 16})
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_a_window_beyond_int32_is_no_window(impl):
+  """window_len only bounds how far back a query sees: any window of at least
+  T hides nothing. Near 2^31 the kernels' tile bounds (start + window_len)
+  wrapped in int32 and dk, dv came out 0; from 2^31 a jitted call overflowed."""
+  import jax
+  fn = IMPLS[impl]
+  for causal in (False, True):
+    loss = lambda window: lambda q, k, v: jnp.sum(
+        fn(q, k, v, causal=causal, window_len=window) ** 2)
+    want = jax.grad(loss(0), argnums=(0, 1, 2))(q, k, v)
+    for window in (T, 2 ** 31 - 1, 2 ** 40):
+      got = jax.grad(loss(window), argnums=(0, 1, 2))(q, k, v)
+      for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{name}, window {window}, causal {causal}")
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_segment_ids_wider_than_int32_keep_their_documents_apart(impl):
+  """Any integer dtype, any values: 0 and 2^32 are two documents (a cast to
+  int32 made them one), and the order of wide ids is kept."""
+  fn = IMPLS[impl]
+  narrow = np.repeat(np.array([[0, 1]]), T // 2, axis=1).repeat(B, 0)
+  for wide in (narrow.astype(np.int64) * 2 ** 32, narrow.astype(np.uint64) * 2 ** 40 + 7,
+               np.where(narrow == 1, np.iinfo(np.int64).max, np.iinfo(np.int64).min)):
+    np.testing.assert_array_equal(np.asarray(fn(q, k, v, segment_ids=wide, causal=True)),
+                                  np.asarray(fn(q, k, v, segment_ids=narrow, causal=True)))

@@ -30,6 +30,7 @@ import math
 from typing import Callable, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 
 CapFn = Callable[..., jnp.ndarray]
 
@@ -52,6 +53,8 @@ class CapMethod:
   def validate_params(self, params: Sequence[float]) -> tuple[float, ...]:
     """Returns params as floats, or raises naming ``cap_params``."""
     try:
+      if isinstance(params, (str, bytes)):
+        raise TypeError
       params = tuple(params)
     except TypeError:
       raise TypeError(
@@ -62,7 +65,11 @@ class CapMethod:
           f"{self.param_names}, got {len(params)}: {params!r}")
     out = []
     for pname, value in zip(self.param_names, params):
-      if isinstance(value, bool) or not isinstance(value, (int, float)):
+      if isinstance(value, (bool, np.bool_, str, bytes)):
+        raise TypeError(
+            f"cap_params[{pname}] of cap_method {self.name!r} must be a "
+            f"static Python float, got {type(value).__name__}")
+      if not isinstance(value, (int, float)):
         try:
           value = float(value)  # numpy / concrete jax scalars
         except Exception:

@@ -48,8 +48,8 @@ class StaticSpec:
 
 
 def _static_float(name: str, value: Any) -> float:
-  if isinstance(value, bool):
-    raise TypeError(f"{name} must be a float, got bool")
+  if isinstance(value, (bool, str, bytes)):
+    raise TypeError(f"{name} must be a float, got {type(value).__name__}")
   if isinstance(value, jax.core.Tracer):
     raise TypeError(f"{name} must be a static Python float, not a traced value")
   try:
@@ -71,6 +71,20 @@ def _array(name: str, x: Any) -> jax.Array | np.ndarray:
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be an array, got {type(x).__name__}")
   return x
+
+
+def _int32_ids(ids):
+  """Segment ids as int32 with the same equalities: ids of up to 32 bits (not
+  uint32) as they are; wider ones as their rank within their row (equal ids
+  equal, order kept), which a cast would wrap into collisions (2^32 -> 0)."""
+  info = np.iinfo(ids.dtype)
+  if info.min >= np.iinfo(np.int32).min and info.max <= np.iinfo(np.int32).max:
+    return jnp.asarray(ids).astype(jnp.int32)
+  if isinstance(ids, np.ndarray):  # before jnp.asarray, which may cast it to 32 bits
+    ranks = np.stack([np.searchsorted(np.sort(row), row) for row in ids]) if ids.size else ids
+    return jnp.asarray(np.asarray(ranks, np.int32))
+  ranks = jax.vmap(jnp.searchsorted)(jnp.sort(ids, axis=1), ids)
+  return ranks.astype(jnp.int32)
 
 
 def validate(q, k, v, *, segment_ids=None, causal=False, window_len=0,
@@ -117,6 +131,10 @@ def validate(q, k, v, *, segment_ids=None, causal=False, window_len=0,
         f"window_len must be a non-negative int, got {type(window_len).__name__}") from None
   if window_len < 0:
     raise ValueError(f"window_len must be >= 0, got {window_len}")
+  # A window at least T long hides nothing (j > i - window_len for every
+  # j >= 0 > i - T): T is the same window, and keeps the kernels' tile bounds
+  # (start + window_len) inside int32.
+  window_len = min(window_len, t)
 
   method = get_cap_method(cap_method)
   params = method.validate_params(cap_params)
@@ -131,7 +149,7 @@ def validate(q, k, v, *, segment_ids=None, causal=False, window_len=0,
       raise TypeError(f"segment_ids must have an integer dtype, got {segment_ids.dtype}")
     if tuple(segment_ids.shape) != (b, t):
       raise ValueError(f"segment_ids must have shape [B, T] = {(b, t)}, got {segment_ids.shape}")
-    segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+    segment_ids = _int32_ids(segment_ids)
 
   if temperature is not None:
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
