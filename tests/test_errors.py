@@ -89,6 +89,8 @@ def test_kernels_reject_float64():
     ({"block_kv": 8}, ValueError, "power of two >= 16"),
     ({"block_kv_dkv": 64.0}, TypeError, "must be an int"),
     ({"num_warps": 3}, ValueError, "num_warps"),
+    ({"num_warps": True}, ValueError, "num_warps"),
+    ({"num_warps_bwd": 4.0}, ValueError, "num_warps_bwd"),
     ({"num_stages": 0}, ValueError, "num_stages"),
     ({"interpret": "yes"}, TypeError, "interpret"),
 ])

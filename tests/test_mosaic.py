@@ -198,7 +198,8 @@ def test_forcing_mosaic_in_the_interpreter_is_an_error():
 @pytest.mark.parametrize("field, value", [("block_q", 32), ("block_q", 256), ("block_kv", 96),
                                           ("stages", 1), ("block_kv", True), ("stages_bwd", 1),
                                           ("block_q_dq", 32), ("block_kv_dkv", 256),
-                                          ("block_kv_dq", 256), ("block_q_dkv", None)])
+                                          ("block_kv_dq", 256), ("block_q_dkv", None),
+                                          ("block_q", 64.0)])
 def test_mosaic_tiles_are_validated(field, value):
   with pytest.raises(ValueError, match=f"MosaicTiles.{field}"):
     MosaicTiles(**{field: value})

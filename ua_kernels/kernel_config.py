@@ -36,7 +36,7 @@ class MosaicTiles:
                           ("block_q_dq", (64, 128)), ("block_kv_dq", (64, 128)),
                           ("block_q_dkv", (64, 128)), ("block_kv_dkv", (64, 128))):
       value = getattr(self, name)
-      if isinstance(value, bool) or value not in allowed:
+      if not (value is None or type(value) is int) or value not in allowed:
         raise ValueError(f"MosaicTiles.{name} must be one of {allowed} (wgmma tiles), "
                          f"got {value!r}")
     for name in ("stages", "stages_bwd"):
@@ -92,7 +92,7 @@ class KernelConfig:
             f"KernelConfig.{field} must be a power of two >= 16, got {value}")
     for field in ("num_warps", "num_warps_bwd"):
       value = getattr(self, field)
-      if value is not None and value not in _WARPS:
+      if value is not None and (type(value) is not int or value not in _WARPS):
         raise ValueError(f"KernelConfig.{field} must be one of {_WARPS} or None, "
                          f"got {value!r}")
     for field in ("num_stages", "num_stages_bwd"):
