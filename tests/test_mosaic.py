@@ -199,8 +199,7 @@ def test_forcing_mosaic_in_the_interpreter_is_an_error():
                                           ("stages", 1), ("block_kv", True), ("stages_bwd", 1),
                                           ("block_q_dq", 32), ("block_kv_dkv", 256),
                                           ("block_kv_dq", 256), ("block_q_dkv", None),
-                                          ("block_q", 64.0), ("fma_exp2", 1),
-                                          ("fma_exp2_bwd", None)])
+                                          ("block_q", 64.0)])
 def test_mosaic_tiles_are_validated(field, value):
   with pytest.raises(ValueError, match=f"MosaicTiles.{field}"):
     MosaicTiles(**{field: value})

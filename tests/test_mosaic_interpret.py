@@ -106,16 +106,6 @@ def test_other_tilings_match_triton_in_the_interpreters(shape_class, tiles, inte
   _compare(shape_class, tiles)
 
 
-# exp2 split between the multi-function unit and a polynomial (fast_math),
-# which the kernels do with a cap's fast form (bfloat16, tanh family).
-FMA_EXP2_CLASSES = [SHAPE_CLASSES[i] for i in (3, 6)]
-
-
-@pytest.mark.parametrize("shape_class", FMA_EXP2_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
-def test_fma_exp2_matches_triton_in_the_interpreters(shape_class, interpreter_gaps):
-  _compare(shape_class, MosaicTiles(fma_exp2=True, fma_exp2_bwd=True))
-
-
 def _compare(shape_class, tiles):
   (q, k, v), inputs, options = _gpu_inputs(shape_class)
   spec, seg, temp = validate(q, k, v, **options, **inputs)

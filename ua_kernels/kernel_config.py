@@ -20,12 +20,7 @@ class MosaicTiles:
   ``block_q_dkv`` queries; both with rings of ``stages_bwd`` slots. Above head
   dim 128 the dq kernel streams at most 64 keys, and backward tiles whose
   shared memory does not fit run the backward on Triton
-  (mosaic_backward.halves_shared_memory).
-
-  ``fma_exp2`` (forward) and ``fma_exp2_bwd`` (both backward kernels) compute
-  the softmax's exp2 of half of each score tile's columns by a polynomial on
-  the FMA pipes instead of the multi-function unit (ua_kernels.fast_math):
-  a win where a cap's transcendental makes that unit the bottleneck."""
+  (mosaic_backward.halves_shared_memory)."""
 
   block_q: int = 64
   block_kv: int | None = None
@@ -35,8 +30,6 @@ class MosaicTiles:
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
   stages_bwd: int = 2
-  fma_exp2: bool = False
-  fma_exp2_bwd: bool = False
 
   def __post_init__(self):
     for name, allowed in (("block_q", (64, 128)), ("block_kv", (None, 64, 128, 256)),
@@ -50,9 +43,6 @@ class MosaicTiles:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 2:
         raise ValueError(f"MosaicTiles.{name} must be an int >= 2, got {value!r}")
-    for name in ("fma_exp2", "fma_exp2_bwd"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"MosaicTiles.{name} must be a bool, got {getattr(self, name)!r}")
 
   def key_block(self, head_dim: int) -> int:
     if self.block_kv is not None:

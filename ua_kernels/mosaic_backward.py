@@ -616,8 +616,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         kernel_name="ua_backward_dkv_halves_mosaic",
     )
   dq = dk = dv = None
-  fma_exp2 = mosaic_common.fma_exp2(spec, fast_cap, tiles.fma_exp2_bwd)
-  with fast_math.native("mosaic", fma_exp2=fma_exp2):
+  with fast_math.native("mosaic"):
     if "dq" in kernels:
       dq = dq_call(q, k, v, dout, rows, seg, spans_dq)[:, :t, :, :d]
     if "dkv" in kernels:

@@ -11,7 +11,6 @@ from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
 
-from .cap_forms import fast_forms
 from .tile_math import scores_to_logits, visible_mask
 
 # bfloat16 and float16: wgmma's 16-bit operands (float32 stays on Triton).
@@ -139,16 +138,6 @@ def approx_math(spec: StaticSpec, fast_cap: bool) -> bool:
   fast forms (bfloat16). Exact caps (float16; caps above FAST_CAP_MAX_PARAM)
   keep accurate transcendentals."""
   return spec.cap_method == "none" or fast_cap
-
-
-def fma_exp2(spec: StaticSpec, fast_cap: bool, enabled: bool) -> bool:
-  """Whether a kernel splits its softmax exp2 between the multi-function unit
-  and the FMA pipes (fast_math.exp2): where ``enabled`` (MosaicTiles) and the
-  kernel evaluates a cap's fast form. That form's tanh.approx, a second
-  multi-function-unit operation per logit, makes the unit the bottleneck, and
-  its 2^-11 relative error dwarfs the polynomial's 2^-13.3; everywhere else
-  the softmax keeps ex2.approx (2^-22)."""
-  return enabled and fast_cap and fast_forms(spec.cap_method) is not None
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -234,7 +234,6 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       compiler_params=params,
       kernel_name="ua_forward_mosaic",
   )
-  fma_exp2 = mosaic_common.fma_exp2(spec, fast_cap, tiles.fma_exp2)
-  with fast_math.native("mosaic", fma_exp2=fma_exp2):
+  with fast_math.native("mosaic"):
     out, lse2 = call(q, k, v, seg, spans, temp)
   return out[:, :t, :, :d], lse2[:, :, :t]
