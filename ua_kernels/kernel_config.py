@@ -20,9 +20,7 @@ class MosaicTiles:
   ``block_q_dkv`` queries; both with rings of ``stages_bwd`` slots. Above head
   dim 128 the dq kernel streams at most 64 keys, and backward tiles whose
   shared memory does not fit run the backward on Triton
-  (mosaic_backward.halves_shared_memory). ``overlap``: the forward issues
-  each unmasked key tile's Q.K together with the previous tile's P.V
-  (FlashAttention-3's intra-warpgroup overlap)."""
+  (mosaic_backward.halves_shared_memory)."""
 
   block_q: int = 64
   block_kv: int | None = None
@@ -32,7 +30,6 @@ class MosaicTiles:
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
   stages_bwd: int = 2
-  overlap: bool = False
 
   def __post_init__(self):
     for name, allowed in (("block_q", (64, 128)), ("block_kv", (None, 64, 128, 256)),

@@ -156,86 +156,6 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
         plgpu.barrier_arrive(v_free.at[s])
         return SoftmaxState(m, l, acc)
 
-      def scores_and_softmax(kb, s, state, masked, scores):
-        """Tile kb's softmax step from its scores, ring slot s released;
-        (m, l, correction, p)."""
-        plgpu.barrier_arrive(k_free.at[s])
-        logits = tile_logits(spec, scores, q_temp, q_start, kb * block_kv, masked=masked,
-                             seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
-                             fast_cap=fast_cap)
-        m, l, correction, p = state.step(logits, shift)
-        return m, l, correction, p.astype(dtype)
-
-      def end_of_softmax(kb):
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(v_loaded.at[slot(kb)])
-        plgpu.barrier_wait(schedule)
-
-      def first_visit(kb, state, masked):
-        """Tile kb's scores and softmax, its P.V left to the next visit."""
-        plgpu.barrier_wait(k_loaded.at[slot(kb)])
-
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot(kb)].transpose((1, 0)))
-          schedule_sync()
-          return acc_ref[...]
-
-        scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-        m, l, correction, p = scores_and_softmax(kb, slot(kb), state, masked, scores)
-        end_of_softmax(kb)
-        return SoftmaxState(m, l, state.rescaled_acc(correction)), p
-
-      def overlapped_visit(kb, carry, masked):
-        """Tile kb's Q.K and tile kb - 1's P.V issued together: the softmax of
-        tile kb runs while the tensor cores do that P.V (FlashAttention-3's
-        intra-warpgroup overlap), besides the other warpgroup's products."""
-        state, p_prev = carry
-        s, s_prev = slot(kb), slot(kb - 1)
-        plgpu.barrier_wait(k_loaded.at[s])
-
-        def both(refs):
-          out_ref, m_ref, l_ref, p_ref, correction_ref = refs
-
-          def products_then_softmax(scores_ref):
-            plgpu.wgmma(scores_ref, q_smem, k_smem.at[s].transpose((1, 0)))
-            plgpu.wgmma(out_ref, p_prev, v_smem.at[s_prev])
-            schedule_sync()
-            scores = plgpu.wgmma_accumulator_load(scores_ref, wait_n=1)
-            m, l, correction, p = scores_and_softmax(kb, s, state, masked, scores)
-            m_ref[...], l_ref[...], p_ref[...] = m, l, p
-            if correction is not None:
-              correction_ref[...] = correction
-
-          pl.run_scoped(products_then_softmax, plgpu.ACC((block_q, block_kv), jnp.float32))
-
-        acc, m, l, p, correction = pl.run_state(both)(
-            (plgpu.ACC.init(state.acc), state.m, state.l, p_prev, state.m))
-        plgpu.barrier_arrive(v_free.at[s_prev])
-        end_of_softmax(kb)
-        state = SoftmaxState(m, l, acc)
-        if shift is not None:
-          correction = None
-        return state._replace(acc=state.rescaled_acc(correction)), p
-
-      def last_product(kb, state, p):
-        s = slot(kb)
-
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p, v_smem.at[s])
-
-        acc = pl.run_state(pv)(plgpu.ACC.init(state.acc))
-        plgpu.barrier_arrive(v_free.at[s])
-        return state._replace(acc=acc)
-
-      def overlapped_range(state, lo, hi):
-        """The unmasked tiles [lo, hi), lo < hi, each P.V a visit late. Only
-        those: a masked step's position tiles beside the pending P.V's
-        operand made the H200's causal forward 47% slower."""
-        state, p = first_visit(lo, state, False)
-        step = lambda kb, carry: overlapped_visit(kb, carry, False)
-        state, p = lax.fori_loop(lo + 1, hi, step, (state, p))
-        return last_product(hi - 1, state, p)
-
       state = SoftmaxState(
           plgpu.layout_cast(jnp.full((block_q,), -jnp.inf if shift is None else shift,
                                      jnp.float32), row_layout),
@@ -246,14 +166,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
           own_span, own_uniform), cta_lo, cta_hi)
       pl.when(wg == 1)(schedule_sync)
       state = lax.fori_loop(cta_lo, lo, drain, state)
-      if tiles.overlap and full_lo is not None:
-        masked_visit = lambda kb, st: visit(kb, st, True)
-        state = lax.fori_loop(lo, full_lo, masked_visit, state)
-        state = lax.cond(full_lo < full_hi,
-                         lambda st: overlapped_range(st, full_lo, full_hi), lambda st: st, state)
-        state = lax.fori_loop(full_hi, hi, masked_visit, state)
-      else:
-        state = tile_loop((lo, full_lo, full_hi, hi), visit, state)
+      state = tile_loop((lo, full_lo, full_hi, hi), visit, state)
       state = lax.fori_loop(hi, cta_hi, drain, state)
       pl.when(wg == 0)(schedule_sync)
 
