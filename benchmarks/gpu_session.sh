@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU run: compiled smoke check and kernel tests, the suite's GPU campaign
+# One GPU run: compiled smoke check and kernel tests, the D32 replay, the suite's GPU campaign
 # (ua_kernels:attention as it dispatches, then the Mosaic backend forced), ua-bench,
 # and the Mosaic kernels' time one by one (benchmarks.breakdown).
 # Usage (on the GPU machine, from the repository root, package installed):
@@ -11,6 +11,9 @@ export PYTHONUNBUFFERED=1
 python3 -c "import json; from benchmarks.bench import provenance; print(json.dumps(provenance()))"
 timeout 300 python3 -m benchmarks.gpu_smoke 2>&1 | tee $out/smoke.log
 timeout 300 python3 -m pytest -q tests/test_mosaic.py 2>&1 | tail -15 | tee $out/test_mosaic.log
+# The float32 dk case of docs/DEFECTS.md (D32), whose fix has not yet run on a GPU.
+timeout 300 ua-repro docs/verification/cases/ua_kernels-float32-causal-saturating-zloss-t16384-dk.json \
+  2>&1 | tail -12 | tee $out/repro-d32.log
 if [ "$minutes" != 0 ]; then
   for impl in ua_kernels:attention ua_kernels.backends:mosaic_attention; do
     name=${impl//[:.]/-}

@@ -18,9 +18,9 @@ from jax.experimental import pallas as pl
 from ua_reference.contract import StaticSpec
 
 from .softmax_state import SoftmaxState
-from .tile_math import (dot, fixed_shift, kv_tiles, logits_grad, matmul_operand, positions,
-                        probabilities, q_tiles, scaled_back, tile_logits, tile_loop,
-                        visible_mask)
+from .tile_math import (dot, fixed_shift, gradient_product, kv_tiles, logits_grad,
+                        matmul_operand, positions, probabilities, q_tiles, scaled_back,
+                        tile_logits, tile_loop, visible_mask)
 
 
 def _segment_tile(seg_ref, start, size):
@@ -110,7 +110,7 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref
     dp = dot(do, _value_tile(v_ref, kv_block, block_kv), trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)
     ds16, back = matmul_operand(ds, k.dtype, axis=1)
-    term = dot(ds16, k)
+    term = gradient_product(ds16, k)
     return dq + scaled_back(term, back)
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
@@ -162,11 +162,11 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
                           _segment_tile(seg_ref, q_start, block_q), k_seg, padded=padded)
     logits = tile_logits(spec, q, k, temp, mask, fast_cap)
     p = probabilities(logits, lse2)
-    dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
+    dv = dv + gradient_product(p.astype(do.dtype), do, trans_a=True)
     dp = dot(do, v, trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, temp, fast_cap)
     ds16, back = matmul_operand(ds, q.dtype, axis=0)
-    term = dot(ds16, q, trans_a=True)
+    term = gradient_product(ds16, q, trans_a=True)
     dk = dk + scaled_back(term, back)
     return dk, dv
 

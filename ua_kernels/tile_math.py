@@ -37,6 +37,25 @@ def dot(a, b, *, trans_a=False, trans_b=False):
                          preferred_element_type=jnp.float32)
 
 
+def gradient_product(a, b, *, trans_a=False, trans_b=False):
+  """One tile's term of a gradient summed over the sequence (dq over key tiles,
+  dk and dv over query tiles): dot(a, b), to be added to the running sum.
+
+  For float32 operands the term is rounded once before that add. Triton's
+  combine pass rewrites ``total + dot(a, b)`` into a dot that accumulates into
+  ``total`` (``AddFOp(DotOp(a, b, 0), d) => DotOp(a, b, d)``), so a float32
+  (FMA) dot adds every product of every tile into the running sum, rounding
+  each at the sum's magnitude: on the H200 that put a float32 dk at 2.7x its
+  tolerance where the terms cancel (docs/DEFECTS.md, D32). Halving ``a`` and
+  doubling the product puts a multiply between the dot and the add, which the
+  pattern does not match; both are exact in float32 (``a`` above 2^-125, the
+  product below 2^127). 16-bit operands keep the fused form: the output's
+  rounding hides the difference (docs/DEFECTS.md, G1)."""
+  if a.dtype != jnp.float32:
+    return dot(a, b, trans_a=trans_a, trans_b=trans_b)
+  return dot(a * 0.5, b, trans_a=trans_a, trans_b=trans_b) * 2.0
+
+
 def positions(start, size):
   return start + jnp.arange(size, dtype=jnp.int32)
 
