@@ -73,13 +73,15 @@ def main(argv=None):
   start = time.time()
   for r0 in range(0, t, 512):
     r1 = min(t, r0 + 512)
-    z = sm * (q64[r0:r1] @ k64[:r1].T)
-    visible = np.arange(r1)[None, :] <= np.arange(r0, r1)[:, None] if case.causal else True
-    z = np.where(visible, z, -np.inf)
+    keys = r1 if case.causal else t  # causal rows see no key past r1
+    z = sm * (q64[r0:r1] @ k64[:keys].T)
+    if case.causal:
+      z = np.where(np.arange(keys)[None, :] <= np.arange(r0, r1)[:, None], z, -np.inf)
     ii, jj = np.nonzero(z >= z.max(axis=1, keepdims=True) - options.cut)  # row-major: rows in order
+    chunk = 1 << 20
     gpu_scores = np.concatenate([
-        float32_fma_scores(q_cols[:, r0 + ii[c:c + 1 << 20]], k_cols[:, jj[c:c + 1 << 20]])
-        for c in range(0, len(ii), 1 << 20)])
+        float32_fma_scores(q_cols[:, r0 + ii[c:c + chunk]], k_cols[:, jj[c:c + chunk]])
+        for c in range(0, len(ii), chunk)])
     z_gpu = (gpu_scores * scale2).astype(np.float64) / np.log2(np.e)
     for name, zz in (("exact", z[ii, jj]), ("scores", z_gpu)):
       m = np.full(r1 - r0, -np.inf)
@@ -98,10 +100,10 @@ def main(argv=None):
         np.add.at(dk_rows, jj, terms.astype(np.float32))  # in order, one rounding per add
         for t0 in range(r0, r1, TILE):
           sel = (r0 + ii >= t0) & (r0 + ii < t0 + TILE)
-          tile = np.zeros((t, d), np.float32)
+          tile = np.zeros((keys, d), np.float32)
           np.add.at(tile, jj[sel], terms[sel].astype(np.float32))
-          keys = np.unique(jj[sel])
-          dk_tiles[keys] = dk_tiles[keys] + tile[keys]
+          seen = np.unique(jj[sel])
+          dk_tiles[seen] = dk_tiles[seen] + tile[seen]
     print(f"rows {r1}/{t} ({time.time() - start:.0f} s)", flush=True)
 
   worst_exact = float(np.abs(dk["exact"]).max())
