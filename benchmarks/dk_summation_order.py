@@ -12,7 +12,11 @@ change one thing, and prints each one's max |dk - exact dk|:
   one rounding per product, rows in order (a dot accumulating into the running
   dk, which is what Triton's combine pass makes of ``dk + dot(ds, q)``);
 - ``tiles``: the same, each 64-row tile's product summed in float32 from zero
-  and rounded once into the running dk (tile_math.gradient_product).
+  and rounded once into the running dk (tile_math.gradient_product);
+- ``lse2``: the scores as in ``scores``, their base-2 logits rounded to
+  float32 (as the kernels form them), and the probabilities recomputed from
+  the row's lse2 rounded to float32, as the backward reads it without
+  lse2_low (SoftmaxState.finalize); everything else exact.
 
 Keys more than ``--cut`` below a row's largest logit are dropped (probability
 below e^-cut): for the saved T=16384 case cuts of 20 and 25 agree to eight digits
@@ -67,7 +71,7 @@ def main(argv=None):
   q_cols, k_cols = np.ascontiguousarray(q.T), np.ascontiguousarray(k.T)
   scale2 = np.float32(sm * np.log2(np.e))  # the kernels' logits are base 2
 
-  dk = {"exact": np.zeros((t, d)), "scores": np.zeros((t, d))}
+  dk = {"exact": np.zeros((t, d)), "scores": np.zeros((t, d)), "lse2": np.zeros((t, d))}
   dk_rows = np.zeros((t, d), np.float32)
   dk_tiles = np.zeros((t, d), np.float32)
   start = time.time()
@@ -83,12 +87,14 @@ def main(argv=None):
         float32_fma_scores(q_cols[:, r0 + ii[c:c + chunk]], k_cols[:, jj[c:c + chunk]])
         for c in range(0, len(ii), chunk)])
     z_gpu = (gpu_scores * scale2).astype(np.float64) / np.log2(np.e)
-    for name, zz in (("exact", z[ii, jj]), ("scores", z_gpu)):
+    for name, zz in (("exact", z[ii, jj]), ("scores", z_gpu), ("lse2", z_gpu)):
       m = np.full(r1 - r0, -np.inf)
       np.maximum.at(m, ii, zz)
       total = np.zeros(r1 - r0)
       np.add.at(total, ii, np.exp(zz - m[ii]))
       lse = m + np.log(total)
+      if name == "lse2":  # rounded to float32 in base 2, as the forward stores it
+        lse = (lse * np.log2(np.e)).astype(np.float32).astype(np.float64) / np.log2(np.e)
       p = np.exp(zz - lse[ii])
       out = np.zeros((r1 - r0, d))
       np.add.at(out, ii, p[:, None] * v64[jj])
@@ -109,7 +115,8 @@ def main(argv=None):
   worst_exact = float(np.abs(dk["exact"]).max())
   result = {"case": options.case, "cut": options.cut, "max_abs_dk": worst_exact, "errors": {},
             "saved_dk": saved_dk}
-  for name, got in (("scores", dk["scores"]), ("rows", dk_rows), ("tiles", dk_tiles)):
+  for name, got in (("scores", dk["scores"]), ("rows", dk_rows), ("tiles", dk_tiles),
+                    ("lse2", dk["lse2"])):
     err = np.abs(got.astype(np.float64) - dk["exact"])
     where = np.unravel_index(np.argmax(err), err.shape)
     result["errors"][name] = {"max_abs_err": float(err.max()),

@@ -55,8 +55,9 @@ MUTANTS = [
            "lo = jnp.maximum(hi - (spec.window_len + block_q) // block_kv, 0)",
            "original kernel: window lower bound counted back from the upper bound (off by one; "
            "wrong without causal)"),
-    Mutant("O4", TILE_MATH, "  return exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2))",
-           "  p = exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2))\n"
+    Mutant("O4", TILE_MATH,
+           "  return exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), lse2_low)",
+           "  p = exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), lse2_low)\n"
            "  return p / jnp.maximum(jnp.sum(p, axis=1, keepdims=True), 1e-30)",
            "original kernel: backward probabilities renormalised within each key block"),
     Mutant("O5", ATTENTION, "- dlse - spec.z_loss_weight * lse\n",

@@ -457,3 +457,34 @@ def test_float32_gradient_terms_are_rounded_once_per_tile(monkeypatch):
                    if re.search(r"arith.addf [^\n]*" + re.escape(d) + r"\b", text)]
   assert {"ua_backward_dq", "ua_backward_dkv"} <= set(names), names
   assert names["ua_backward_dq"] == [] and names["ua_backward_dkv"] == [], names
+
+
+def test_float32_backward_probabilities_keep_what_rounding_lse2_lost():
+  """The backward recomputes p = exp2(logit - lse2) from the forward's lse2.
+  Where the logits are large, float32 lse2 = m + log2(l) loses up to half its
+  spacing (2^-13 near |lse2| = 2000), and every probability of the row moves
+  by the same factor; on the H200 that put a float32 dk summing thousands of
+  nearly one-hot rows at 1.06x its tolerance (docs/DEFECTS.md, D32). With the
+  forward's lse2_low (SoftmaxState.finalize) the recomputed rows sum to 1 to a
+  few float32 roundings; without it they are off by up to 2^-13 * ln 2."""
+  from ua_kernels import tile_math
+  from ua_kernels.softmax_state import SoftmaxState
+
+  rng = np.random.default_rng(0)
+  rows, keys = 64, 64
+  # Rows near +-1900 (base 2), each with one key 4 to 14 above all the others:
+  # log2(l) between 2^-4 and 2^-14, rounded away in part or whole.
+  top = rng.choice([-1.0, 1.0], size=(rows, 1)) * 1900 + rng.uniform(-1, 1, (rows, 1))
+  gap = rng.uniform(4, 14, (rows, 1))
+  scores = top - gap - rng.uniform(0, 8, (rows, keys))
+  scores[:, 0] = top[:, 0]
+  logits = tile_math.Logits(jnp.asarray(scores, jnp.float32), 1.0, None, (), 0)
+  state = SoftmaxState.init(rows, 16)
+  m, l, _, _ = state.step(logits)
+  _, lse2, lse2_low = SoftmaxState(m, l, state.acc).finalize(with_low=True)
+
+  def row_sum_error(p):
+    return float(np.max(np.abs(np.asarray(p, np.float64).sum(axis=1) - 1.0)))
+
+  assert row_sum_error(tile_math.probabilities(logits, lse2, lse2_low)) < 1e-6
+  assert row_sum_error(tile_math.probabilities(logits, lse2)) > 1e-5

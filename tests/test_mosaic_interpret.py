@@ -112,11 +112,12 @@ def _compare(shape_class, tiles):
   temp = None if temp is None else temp.astype(jnp.float32)
   triton = KernelConfig(backend="triton", interpret=True)
   fast_cap = attention_module._fast_cap(spec, q.dtype)
-  out, lse2 = attention_module._forward(spec, triton, q, k, v, seg, temp)
+  out, lse2, lse2_low = attention_module._forward(spec, triton, q, k, v, seg, temp)
   rng = np.random.default_rng(1)
   dout = jnp.asarray(rng.normal(size=q.shape), q.dtype)
   dlse = jnp.asarray(rng.normal(size=lse2.shape), jnp.float32)
-  grads = attention_module._backward(spec, triton, q, k, v, seg, temp, out, lse2, dout, dlse)
+  grads = attention_module._backward(spec, triton, q, k, v, seg, temp, out, lse2, lse2_low,
+                                     dout, dlse)
 
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
     out_m, lse2_m = mosaic_forward.forward(spec, tiles, q, k, v, seg, temp, fast_cap=fast_cap)

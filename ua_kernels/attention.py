@@ -1,7 +1,7 @@
 """Public op: validation, padding, the three pallas_calls, and the custom VJP.
 
 The forward saves only O(T) residuals besides the inputs (out and the base-2
-lse2); the backward folds the lse cotangent and the z-loss into delta, so the
+lse2, and for float32 what rounding lse2 lost, lse2_low); the backward folds the lse cotangent and the z-loss into delta, so the
 dq and dk/dv kernels need no extra inputs for them:
   d logits = p * (dp - delta),  delta = rowsum(dO * O) - dlse - w * lse.
 """
@@ -156,10 +156,21 @@ def forward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
   return "triton"
 
 
+def _keeps_lse2_low(dtype) -> bool:
+  """Whether the forward also saves lse2_low, what rounding lse2 to float32
+  lost (SoftmaxState.finalize), for the backward's probabilities. float32
+  gradients need it where the logits are large (docs/DEFECTS.md, D32);
+  16-bit ones round far more than it (2^-9 or 2^-11 against 2^-13 at
+  |lse2| = 2^11) and the Mosaic kernels, 16-bit only, do without."""
+  return jnp.dtype(dtype) == jnp.float32
+
+
 def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
+  """(out, lse2, lse2_low): lse2_low is None unless _keeps_lse2_low."""
   if forward_backend(spec, config, q.dtype) == "mosaic":
-    return mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp,
-                                  fast_cap=_fast_cap(spec, q.dtype))
+    return (*mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp,
+                                    fast_cap=_fast_cap(spec, q.dtype)), None)
+  keep_low = _keeps_lse2_low(q.dtype)
   b, t, hq, d = q.shape
   q, k, v, seg, spans, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg,
                                                                    temp)
@@ -168,18 +179,18 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
                              block_kv=bkv, padded=seq_pad != t,
                              fast_cap=_fast_cap(spec, q.dtype))
   tile, whole_kv, row = _query_program_specs(spec, bq, head_dim, seq_pad)
-  out, lse2 = _pallas_call(
+  rows = jax.ShapeDtypeStruct((b, hq, seq_pad), jnp.float32)
+  out, lse2, *low = _pallas_call(
       config, (q, k, v, seg, spans, temp), kernel,
       grid=(seq_pad // bq, b, hq),
       in_specs=[tile, whole_kv, whole_kv, *_segment_specs(seg, seq_pad),
                 None if temp is None else row],
-      out_specs=[tile, row],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, hq, seq_pad), jnp.float32)],
+      out_specs=[tile, row] + [row] * keep_low,
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), rows] + [rows] * keep_low,
       compiler_params=_compiler_params(config, head_dim),
       name="ua_forward",
   )
-  return out[:, :t, :, :d], lse2[:, :, :t]
+  return out[:, :t, :, :d], lse2[:, :, :t], low[0][:, :, :t] if low else None
 
 
 def backward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
@@ -202,7 +213,8 @@ def _delta(spec: StaticSpec, out, dout, lse2, dlse):
 
 
 def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, lse2,
-              dout, dlse):
+              lse2_low, dout, dlse):
+  """(dq, dk, dv); ``lse2_low`` as _forward returns it (None: not kept)."""
   delta = _delta(spec, out, dout, lse2, dlse)
   if backward_backend(spec, config, q.dtype) == "mosaic":
     return mosaic_backward.backward(spec, config.mosaic, q, k, v, seg, temp, lse2, delta, dout,
@@ -213,12 +225,15 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
                                                                    temp)
   dout = _pad(dout, {1: seq_pad, 3: head_dim})
   lse2 = _pad(lse2, {2: seq_pad})
+  if lse2_low is not None:
+    lse2_low = _pad(lse2_low, {2: seq_pad})
   delta = _pad(delta, {2: seq_pad})
   padded = seq_pad != t
   fast_cap = _fast_cap(spec, q.dtype)
   segment_specs = _segment_specs(seg, seq_pad)
   params = dict(compiler_params=_compiler_params(config, head_dim, backward=True))
-  inputs = (q, k, v, seg, spans, temp, dout, lse2, delta)
+  inputs = (q, k, v, seg, spans, temp, dout, lse2, lse2_low, delta)
+  has_low = lse2_low is not None
 
   # dq: one program per (query tile, batch, query head).
   bq, bkv = blocks["block_q_dq"], blocks["block_kv_dq"]
@@ -228,7 +243,7 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
                         padded=padded, fast_cap=fast_cap),
       grid=(seq_pad // bq, b, hq),
       in_specs=[tile, whole_kv, whole_kv, *segment_specs,
-                None if temp is None else row, tile, row, row],
+                None if temp is None else row, tile, row, row if has_low else None, row],
       out_specs=tile,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="ua_backward_dq", **params,
@@ -245,7 +260,8 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
                         per_head_totals=_per_head_totals(spec, q.dtype)),
       grid=(seq_pad // bkv, b, hkv),
       in_specs=[group_q, kv_tile, kv_tile, *segment_specs,
-                None if temp is None else group_rows, group_q, group_rows, group_rows],
+                None if temp is None else group_rows, group_q, group_rows,
+                group_rows if has_low else None, group_rows],
       out_specs=[kv_tile, kv_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
       name="ua_backward_dkv", **params,
@@ -255,19 +271,19 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(spec, config, q, k, v, seg, temp):
-  out, lse2 = _forward(spec, config, q, k, v, seg, temp)
+  out, lse2, _ = _forward(spec, config, q, k, v, seg, temp)
   return out, lse2 * LN2
 
 
 def _attention_fwd(spec, config, q, k, v, seg, temp):
-  out, lse2 = _forward(spec, config, q, k, v, seg, temp)
-  return (out, lse2 * LN2), (q, k, v, seg, temp, out, lse2)
+  out, lse2, lse2_low = _forward(spec, config, q, k, v, seg, temp)
+  return (out, lse2 * LN2), (q, k, v, seg, temp, out, lse2, lse2_low)
 
 
 def _attention_bwd(spec, config, residuals, cotangents):
-  q, k, v, seg, temp, out, lse2 = residuals
+  q, k, v, seg, temp, out, lse2, lse2_low = residuals
   dout, dlse = cotangents
-  dq, dk, dv = _backward(spec, config, q, k, v, seg, temp, out, lse2, dout, dlse)
+  dq, dk, dv = _backward(spec, config, q, k, v, seg, temp, out, lse2, lse2_low, dout, dlse)
   # segment_ids and temperature receive no gradient (docs/SEMANTICS.md).
   return dq, dk, dv, None, None
 

@@ -74,10 +74,11 @@ def _value_tile(v_ref, kv_block, block_kv):
   return v_ref[pl.ds(kv_block * block_kv, block_kv), :]
 
 
-def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, o_ref, lse2_ref, *,
-                   spec: StaticSpec, block_q: int, block_kv: int, padded: bool,
-                   fast_cap: bool):
-  """One query tile of one head: o = softmax(logits) @ v, base-2 lse per row."""
+def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, o_ref, lse2_ref,
+                   lse2_low_ref=None, *, spec: StaticSpec, block_q: int, block_kv: int,
+                   padded: bool, fast_cap: bool):
+  """One query tile of one head: o = softmax(logits) @ v, base-2 lse per row
+  (and, given ``lse2_low_ref``, what rounding it lost: SoftmaxState.finalize)."""
   qt = _query_tile(q_ref, seg_ref, temp_ref, block_q)
   shift = fixed_shift(spec, q_ref.dtype, temp_ref is not None)
 
@@ -89,24 +90,28 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, o_ref, lse2
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
                    *_segment_span(span_ref, qt.start, block_q))
   state = tile_loop(tiles, body, SoftmaxState.init(block_q, qt.q.shape[-1], shift))
-  out, lse2 = state.finalize()
+  if lse2_low_ref is None:
+    out, lse2 = state.finalize()
+  else:
+    out, lse2, lse2_low_ref[...] = state.finalize(with_low=True)
   o_ref[...] = out.astype(o_ref.dtype)
   lse2_ref[...] = lse2
 
 
-def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref, delta_ref,
-              dq_ref, *, spec: StaticSpec, block_q: int, block_kv: int, padded: bool,
+def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref,
+              lse2_low_ref, delta_ref, dq_ref, *, spec: StaticSpec, block_q: int, block_kv: int, padded: bool,
               fast_cap: bool):
   """dq of one query tile of one head, streaming key tiles."""
   qt = _query_tile(q_ref, seg_ref, temp_ref, block_q)
   do = do_ref[...]
   lse2 = lse2_ref[...]
+  lse2_low = None if lse2_low_ref is None else lse2_low_ref[...]
   delta = delta_ref[...]
 
   def body(kv_block, dq, masked):
     k, logits = _key_tile(spec, qt, k_ref, seg_ref, kv_block, block_kv, padded, fast_cap,
                           masked)
-    p = probabilities(logits, lse2)
+    p = probabilities(logits, lse2, lse2_low)
     dp = dot(do, _value_tile(v_ref, kv_block, block_kv), trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)
     ds16, back = matmul_operand(ds, k.dtype, axis=1)
@@ -119,13 +124,13 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref, delta_ref,
-               dk_ref, dv_ref, *, spec: StaticSpec, block_q: int, block_kv: int,
+def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref,
+               lse2_low_ref, delta_ref, dk_ref, dv_ref, *, spec: StaticSpec, block_q: int, block_kv: int,
                padded: bool, fast_cap: bool, per_head_totals: bool):
   """dk, dv of one key tile of one kv head, summed over its query-head group.
 
-  q/do refs hold the G query heads of the group ([T, G, D]); lse2/delta/temp
-  refs [G, T]. The group sum happens in registers, no repeated K/V.
+  q/do refs hold the G query heads of the group ([T, G, D]); lse2/lse2_low/
+  delta/temp refs [G, T]. The group sum happens in registers, no repeated K/V.
 
   How the G heads' terms meet in the float32 accumulators decides the error
   of the group sum (docs/DEFECTS.md, G1). With the heads in the outer loop, the
@@ -154,6 +159,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
     q = q_ref[rows, g, :]
     do = do_ref[rows, g, :]
     lse2 = lse2_ref[g, rows]
+    lse2_low = None if lse2_low_ref is None else lse2_low_ref[g, rows]
     delta = delta_ref[g, rows]
     temp = None if temp_ref is None else temp_ref[g, rows]
     mask = None
@@ -161,7 +167,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
       mask = visible_mask(spec, positions(q_start, block_q), k_pos,
                           _segment_tile(seg_ref, q_start, block_q), k_seg, padded=padded)
     logits = tile_logits(spec, q, k, temp, mask, fast_cap)
-    p = probabilities(logits, lse2)
+    p = probabilities(logits, lse2, lse2_low)
     dv = dv + gradient_product(p.astype(do.dtype), do, trans_a=True)
     dp = dot(do, v, trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, temp, fast_cap)

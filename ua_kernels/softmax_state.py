@@ -56,14 +56,36 @@ class SoftmaxState(NamedTuple):
     """The accumulator times step's per-row correction (None: unchanged)."""
     return self.acc if correction is None else along_rows(correction, self.acc) * self.acc
 
-  def finalize(self) -> tuple[jax.Array, jax.Array]:
+  def finalize(self, with_low: bool = False):
     """Returns (out, lse2), lse2 the log-sum-exp in base 2 (what the backward
-    needs, without a second rounding); a row with no visible key gives (0, -inf)."""
+    needs, without a second rounding); a row with no visible key gives (0, -inf).
+
+    ``with_low`` also returns lse2_low, the part of m + log2(l) that rounding
+    lse2 to float32 lost (0 on rows without a key), so that the backward's
+    probabilities exp2((x - lse2) - lse2_low) are those of the forward. Where
+    the logits are large, lse2 alone is not enough: at |lse2| near 2^11 its
+    spacing is 2^-12, and a row whose softmax is nearly one-hot has
+    log2(l) < 2^-13, which rounding lse2 loses entirely, always in the same
+    direction; every probability of the row is then off by the same factor,
+    and a float32 dk summing thousands of such rows was off by 90 units in the
+    last place, past its tolerance (docs/DEFECTS.md, D32)."""
     has_key = self.l > 0
     l_safe = jnp.where(has_key, self.l, 1.0)
     # A reciprocal per row, not a division per element: on the H200 the same
     # time and the same bits (docs/BENCHMARKS.md, "What moved the forward");
     # the benchmark tables were measured with it.
     out = self.acc * along_rows(1.0 / l_safe, self.acc)
-    lse2 = jnp.where(has_key, self.m + fast_math.log2(l_safe), -jnp.inf)
-    return out, lse2
+    log_l = fast_math.log2(l_safe)
+    total = self.m + log_l
+    lse2 = jnp.where(has_key, total, -jnp.inf)
+    if not with_low:
+      return out, lse2
+    return out, lse2, jnp.where(has_key, rounding_error(self.m, log_l, total), 0.0)
+
+
+def rounding_error(a, b, total):
+  """(a + b) - total exactly, for total = fl(a + b) (Knuth's TwoSum: six float
+  operations, exact in round-to-nearest for any order of magnitude of a and b)."""
+  b_part = total - a
+  a_part = total - b_part
+  return (a - a_part) + (b - b_part)

@@ -45,8 +45,8 @@ def gradient_product(a, b, *, trans_a=False, trans_b=False):
   combine pass rewrites ``total + dot(a, b)`` into a dot that accumulates into
   ``total`` (``AddFOp(DotOp(a, b, 0), d) => DotOp(a, b, d)``), so a float32
   (FMA) dot adds every product of every tile into the running sum, rounding
-  each at the sum's magnitude: on the H200 that put a float32 dk at 2.7x its
-  tolerance where the terms cancel (docs/DEFECTS.md, D32). Halving ``a`` and
+  each at the sum's magnitude: on the H200 that put a float32 dk with 16,384
+  rows at 2.7x its tolerance (docs/DEFECTS.md, D32). Halving ``a`` and
   doubling the product puts a multiply between the dot and the add, which the
   pattern does not match; both are exact in float32 (``a`` above 2^-125, the
   product below 2^127). 16-bit operands keep the fused form: the output's
@@ -214,18 +214,24 @@ def row_max(logits: Logits):
   return jnp.max(logits.scores, axis=1 - logits.query_axis) * logits.scale
 
 
-def exp2_shifted(logits: Logits, shift):
+def exp2_shifted(logits: Logits, shift, low=None):
   """exp2(logits - shift), the multiply fused into the subtraction; ``shift``
-  is one value per row, or a static float (fixed_shift)."""
+  is one value per row, or a static float (fixed_shift). ``low`` (per row)
+  is subtracted after: the low part of a shift held as two float32s."""
   if not isinstance(shift, float):
     shift = along_queries(shift, logits.scores, logits.query_axis)
-  return fast_math.exp2(logits.scores * logits.scale - shift)
+  shifted = logits.scores * logits.scale - shift
+  if low is not None:
+    shifted = shifted - along_queries(low, shifted, logits.query_axis)
+  return fast_math.exp2(shifted)
 
 
-def probabilities(logits: Logits, lse2):
+def probabilities(logits: Logits, lse2, lse2_low=None):
   """Softmax probabilities from the forward's base-2 lse; rows with
-  lse2 = -inf give 0."""
-  return exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2))
+  lse2 = -inf give 0. ``lse2_low`` (float32 kernels) is what rounding lse2
+  lost (SoftmaxState.finalize): a logit minus lse2 is exact where the two are
+  close, so subtracting it after gives the probabilities the forward summed."""
+  return exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), lse2_low)
 
 
 def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: bool):
