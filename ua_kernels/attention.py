@@ -205,11 +205,18 @@ def backward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
 
 def _delta(spec: StaticSpec, out, dout, lse2, dlse):
   """[B, Hq, T] float32: rowsum(dO * O) - dlse - w * lse, 0 on rows without a
-  visible key (lse2 = -inf), the one per-row term of d logits = p * (dp - delta)."""
+  visible key (lse2 = -inf), the one per-row term of d logits = p * (dp - delta).
+
+  Computed as its own XLA reduction (the optimization barrier): left free, XLA
+  fused the row sums into their consumer, the stack of per-query rows of the
+  Mosaic backward (mosaic_backward.backward), a loop fusion in which one thread
+  sums each row of 128: 137 µs on the H200 at B=16 T=1024 H=16 D=128, where the
+  reduction alone takes about 58 (docs/BENCHMARKS.md, "Where the forward+backward
+  time goes")."""
   lse = lse2 * LN2
   delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
                      dout.astype(jnp.float32)) - dlse - spec.z_loss_weight * lse
-  return jnp.where(lse2 != -jnp.inf, delta, 0.0)
+  return jax.lax.optimization_barrier(jnp.where(lse2 != -jnp.inf, delta, 0.0))
 
 
 def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, lse2,
