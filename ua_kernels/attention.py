@@ -210,9 +210,8 @@ def _delta(spec: StaticSpec, out, dout, lse2, dlse):
   Computed as its own XLA reduction (the optimization barrier): left free, XLA
   fused the row sums into their consumer, the stack of per-query rows of the
   Mosaic backward (mosaic_backward.backward), a loop fusion in which one thread
-  sums each row of 128: 137 µs on the H200 at B=16 T=1024 H=16 D=128, where the
-  reduction alone takes about 58 (docs/BENCHMARKS.md, "Where the forward+backward
-  time goes")."""
+  sums each row of 128: 137 µs on the H200 at B=16 T=1024 H=16 D=128, 28 as its
+  own reduction (docs/BENCHMARKS.md, "Where the forward+backward time goes")."""
   lse = lse2 * LN2
   delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
                      dout.astype(jnp.float32)) - dlse - spec.z_loss_weight * lse
