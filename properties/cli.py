@@ -28,7 +28,10 @@ PROFILE_NAMES = ("ci", "dev", "fuzz", "gpu")
 def _worker_args(args) -> list[str]:
   """pytest-xdist arguments: ``--gpus N`` gives each GPU its own group of
   workers, each pinned with CUDA_VISIBLE_DEVICES before it imports jax and
-  holding a share of its GPU's memory; else ``-n``."""
+  holding a share of its GPU's memory; else ``-n``. Under a time box, workers
+  take tests two, then one at a time (``--maxschedchunk 1``; xdist's default
+  hands each worker a quarter of its share at once), so that the first round
+  of property_tests spreads over all workers."""
   if args.gpus:
     per_gpu = args.workers_per_gpu
     env = ("//env:XLA_PYTHON_CLIENT_PREALLOCATE=false"
@@ -36,10 +39,24 @@ def _worker_args(args) -> list[str]:
     out = []
     for gpu in range(args.gpus):
       out += ["--tx", f"{per_gpu}*popen//env:CUDA_VISIBLE_DEVICES={gpu}{env}"]
-    return out + ["--dist", "load", "--max-worker-restart", "1000"]
-  if args.workers in ("0", 0):
+    out += ["--dist", "load", "--max-worker-restart", "1000"]
+  elif args.workers in ("0", 0):
     return []
-  return ["-n", str(args.workers), "--max-worker-restart", "1000"]
+  else:
+    out = ["-n", str(args.workers), "--max-worker-restart", "1000"]
+  if args.minutes is not None and _xdist_has_maxschedchunk():
+    out += ["--maxschedchunk", "1"]
+  return out
+
+
+def _xdist_has_maxschedchunk() -> bool:
+  """Whether the installed pytest-xdist takes --maxschedchunk (3.2 and later)."""
+  try:
+    import xdist.plugin
+  except ImportError:
+    return False
+  import inspect
+  return "maxschedchunk" in inspect.getsource(xdist.plugin)
 
 
 class _CheckImpl:

@@ -123,6 +123,52 @@ def test_more_oracle_chunks_come_after_every_other_test():
   assert property_tests(gpu, 3) == own  # fewer than the profile's: the profile's
 
 
+@pytest.mark.parametrize("profile", ["ci", "gpu"])
+def test_a_time_box_starts_one_test_of_every_property_first(profile):
+  """The first round of property_tests holds one test of every property (each
+  oracle property per dtype) and comes before any further chunk: on one H200 a
+  two-minute box that began with ten chunks of matches_oracle per dtype ended
+  before seven properties had started."""
+  from properties.capabilities import DTYPES
+  from properties.plugin import first_round_size, property_tests
+  from properties.profiles import PROFILES
+
+  tests = property_tests(PROFILES[profile], 100)
+  first = tests[:first_round_size(PROFILES[profile])]
+  assert {t.property for t in first} == {p.name for p in registry.PROPERTIES}
+  assert all(t.chunk == 0 for t in first)
+  oracle_per_dtype = [p.name for p in registry.PROPERTIES if p.oracle and p.per_dtype]
+  assert {(t.property, t.dtype) for t in first if t.property in oracle_per_dtype} == {
+      (name, dtype) for name in oracle_per_dtype for dtype in DTYPES}
+  assert all(t.chunk > 0 for t in tests[len(first):])
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 8, 16, 32])
+@pytest.mark.parametrize("first_round", [1, 5, 13, 40])
+def test_each_test_share_lets_a_worker_reach_all_its_first_round_tests(workers, first_round):
+  """A worker holding its part of the first round, ceil(n / workers) tests,
+  each running its whole share, starts the last of them before the box ends."""
+  from properties.plugin import time_share
+
+  box = 120.0
+  share = time_share(box, workers, first_round)
+  held = -(-first_round // workers)
+  assert (held - 1) * share < box
+  assert share == pytest.approx(box * workers / first_round)
+
+
+def test_a_time_boxed_campaign_hands_out_tests_one_at_a_time():
+  import argparse
+
+  from properties.cli import _worker_args, _xdist_has_maxschedchunk
+
+  boxed = argparse.Namespace(gpus=1, workers_per_gpu=8, workers=None, minutes=2.0)
+  unboxed = argparse.Namespace(gpus=0, workers="2", minutes=None)
+  if _xdist_has_maxschedchunk():
+    assert _worker_args(boxed)[-2:] == ["--maxschedchunk", "1"]
+  assert "--maxschedchunk" not in _worker_args(unboxed)
+
+
 @pytest.mark.parametrize("args, message", [
     (("--impl=outside_kernels:no_such_function",), "--impl outside_kernels:no_such_function"),
     (("--ua-import=no_such_module_test",), "--ua-import no_such_module_test"),
