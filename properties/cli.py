@@ -51,12 +51,13 @@ def _worker_args(args) -> list[str]:
 
 def _xdist_has_maxschedchunk() -> bool:
   """Whether the installed pytest-xdist takes --maxschedchunk (3.2 and later)."""
+  import importlib.metadata
   try:
-    import xdist.plugin
-  except ImportError:
+    major, minor = (int(part) for part in
+                    importlib.metadata.version("pytest-xdist").split(".")[:2])
+  except (importlib.metadata.PackageNotFoundError, ValueError):
     return False
-  import inspect
-  return "maxschedchunk" in inspect.getsource(xdist.plugin)
+  return (major, minor) >= (3, 2)
 
 
 class _CheckImpl:

@@ -128,6 +128,7 @@ class _State:
   started: float
   records: list = dataclasses.field(default_factory=list)
   suite_ran: bool = False  # a test of the suite reported in this session
+  first_round_started: int = 0  # first-round tests (chunk 0) begun in this process
 
 
 _STATE = pytest.StashKey[_State]()
@@ -157,8 +158,8 @@ def property_tests(profile, oracle_chunks: int | None = None) -> list["PropertyT
   oracle properties, then ``oracle_chunks`` minus those more. A time-boxed
   campaign asks for more than its box can run (ua-verify --minutes), so that no
   worker runs out of tests before the deadline; with the first round in front
-  and each test's share of the box (time_share), a short box still runs every
-  property. Before, the profile's ten chunks of matches_oracle per dtype came
+  and the first round's shares of the box (time_share), a short box still
+  starts every property. Before, the profile's ten chunks of matches_oracle per dtype came
   first, and on one H200 a two-minute box ended before seven of the eleven
   properties had started (docs/VERIFICATION.md)."""
   from .capabilities import DTYPES
@@ -180,21 +181,28 @@ def property_tests(profile, oracle_chunks: int | None = None) -> list["PropertyT
   return first + later + extra
 
 
-def first_round_size(profile) -> int:
-  """How many tests of property_tests make its first round: one test of every
-  property (per dtype where a property runs per dtype)."""
+def first_round_size() -> int:
+  """How many tests of property_tests make its first round (its tests of chunk
+  0): one test of every property, per dtype where a property runs per dtype.
+  The same in every profile."""
   from .capabilities import DTYPES
   from .registry import PROPERTIES
   return sum(len(DTYPES) if prop.per_dtype else 1 for prop in PROPERTIES)
 
 
-def time_share(box_seconds: float, workers: int, first_round: int) -> float:
-  """Seconds a test may go on starting cases under a time box: the box's
-  worker-seconds spread over the first round, so that a worker whose queue
-  holds several first-round tests gets to each before the box ends (an oracle
-  chunk alone can fill a two-minute box on a GPU). A test that ends sooner
-  leaves its time to the tests after it."""
-  return max(box_seconds, 0.0) * max(workers, 1) / max(first_round, 1)
+def time_share(seconds_left: float, workers: int, first_round: int, started_here: int) -> float:
+  """Seconds a first-round test may go on starting new cases under a time box
+  (its first case always starts): what is left of the box, over the rounds of
+  first-round tests this worker still has to start, were the first round spread
+  evenly (``started_here`` of them begun in this worker, as many in each of the
+  ``workers``). An oracle chunk alone can fill a two-minute box on a GPU, so
+  without it a worker holding two first-round tests never starts the second.
+  Exact without xdist (one worker: the time left over the tests left); the last
+  first-round test of a worker gets all that is left, and later tests run to
+  the deadline."""
+  remaining = max(first_round - max(workers, 1) * started_here, 1)
+  rounds = -(-remaining // max(workers, 1))
+  return max(seconds_left, 0.0) / rounds
 
 
 def pytest_generate_tests(metafunc):
@@ -251,14 +259,8 @@ class Suite:
     from .verifier import Verifier
 
     state = self.config.stash[_STATE]
-    stop_at = state.deadline
-    if stop_at is not None:
-      if time.time() > stop_at:
-        pytest.skip("the campaign's time box (--ua-minutes) is spent")
-      workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-      share = time_share(state.deadline - state.started, workers,
-                         first_round_size(self.profile))
-      stop_at = min(stop_at, time.time() + share)
+    if state.deadline is not None and time.time() > state.deadline:
+      pytest.skip("the campaign's time box (--ua-minutes) is spent")
     prop, impl = get(test.property), self.impl
     why = prop.unsupported_by(impl, test.dtype)
     if why:
@@ -276,13 +278,16 @@ class Suite:
     offset = 104729 * test.chunk
 
     started = set()  # configurations begun: Hypothesis replays a failing one to report it
+    share_ends = self._share_ends(test, state)
 
     def body(case):
       worst = 0.0
       for i in range(seeds):
         seeded = dataclasses.replace(case, seed=(case.seed + offset + 7919 * i) % 2 ** 31)
-        if seeded not in started and stop_at is not None and time.time() > stop_at:
-          return  # the time box, or this test's share of it, is spent: no new case starts
+        if seeded not in started and state.deadline is not None:
+          now = time.time()
+          if now > state.deadline or (started and now > share_ends):
+            return  # the time box, or this test's share of it, is spent: no new case starts
         started.add(seeded)
         errors = verifier.check(prop, seeded)
         worst = max([worst] + [e.ratio for e in errors if e.ratio != float("inf")])
@@ -295,6 +300,20 @@ class Suite:
     if test.chunks > 1:
       run = hypothesis.seed(test.chunk)(run)
     run()
+
+  def _share_ends(self, test: PropertyTest, state) -> float | None:
+    """When a first-round test stops starting cases under a time box
+    (time_share), taken when its cases are about to start; later tests and
+    runs without a box: the deadline."""
+    if state.deadline is None or test.chunk != 0:
+      return state.deadline
+    workerinput = getattr(self.config, "workerinput", None)
+    workers = workerinput["workercount"] if workerinput else 1
+    now = time.time()
+    share = time_share(state.deadline - now, workers, first_round_size(),
+                       state.first_round_started)
+    state.first_round_started += 1
+    return min(state.deadline, now + share)
 
 
 @pytest.fixture(scope="session")

@@ -462,11 +462,11 @@ def test_float32_gradient_terms_are_rounded_once_per_tile(monkeypatch):
 def test_float32_backward_probabilities_keep_what_rounding_lse2_lost():
   """The backward recomputes p = exp2(logit - lse2) from the forward's lse2.
   Where the logits are large, float32 lse2 = m + log2(l) loses up to half its
-  spacing (2^-13 near |lse2| = 2000), and every probability of the row moves
-  by the same factor; on the H200 that put a float32 dk summing thousands of
-  nearly one-hot rows at 1.06x its tolerance (docs/DEFECTS.md, D32). With the
-  forward's lse2_low (SoftmaxState.finalize) the recomputed rows sum to 1 to a
-  few float32 roundings; without it they are off by up to 2^-13 * ln 2."""
+  spacing (2^-14 for |lse2| in [1024, 2048)), and every probability of the row
+  moves by the same factor; on the H200 that put a float32 dk summing thousands
+  of nearly one-hot rows at 1.06x its tolerance (docs/DEFECTS.md, D32). With
+  the forward's lse2_low (SoftmaxState.finalize) the recomputed rows sum to 1 to
+  a few float32 roundings; without it they are off by up to 2^-14 * ln 2."""
   from ua_kernels import tile_math
   from ua_kernels.softmax_state import SoftmaxState
 

@@ -160,8 +160,8 @@ def _keeps_lse2_low(dtype) -> bool:
   """Whether the forward also saves lse2_low, what rounding lse2 to float32
   lost (SoftmaxState.finalize), for the backward's probabilities. float32
   gradients need it where the logits are large (docs/DEFECTS.md, D32);
-  16-bit ones round far more than it (2^-9 or 2^-11 against 2^-13 at
-  |lse2| = 2^11) and the Mosaic kernels, 16-bit only, do without."""
+  16-bit ones round far more than it (2^-9 or 2^-11 against at most 2^-13
+  for |lse2| below 2^12) and the Mosaic kernels, 16-bit only, do without."""
   return jnp.dtype(dtype) == jnp.float32
 
 
@@ -209,9 +209,9 @@ def _delta(spec: StaticSpec, out, dout, lse2, dlse):
 
   Computed as its own XLA reduction (the optimization barrier): left free, XLA
   fused the row sums into their consumer, the stack of per-query rows of the
-  Mosaic backward (mosaic_backward.backward), a loop fusion in which one thread
-  sums each row of 128: 137 µs on the H200 at B=16 T=1024 H=16 D=128, 28 as its
-  own reduction (docs/BENCHMARKS.md, "Where the forward+backward time goes")."""
+  Mosaic backward (mosaic_backward.backward), one loop fusion of 137 µs on the
+  H200 at B=16 T=1024 H=16 D=128 (ncu), where the reduction on its own takes 28
+  (docs/BENCHMARKS.md, "Where the forward+backward time goes")."""
   lse = lse2 * LN2
   delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
                      dout.astype(jnp.float32)) - dlse - spec.z_loss_weight * lse

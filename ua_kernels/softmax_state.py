@@ -63,9 +63,9 @@ class SoftmaxState(NamedTuple):
     ``with_low`` also returns lse2_low, the part of m + log2(l) that rounding
     lse2 to float32 lost (0 on rows without a key), so that the backward's
     probabilities exp2((x - lse2) - lse2_low) are those of the forward. Where
-    the logits are large, lse2 alone is not enough: at |lse2| near 2^11 its
-    spacing is 2^-12, and a row whose softmax is nearly one-hot has
-    log2(l) < 2^-13, which rounding lse2 loses entirely, always in the same
+    the logits are large, lse2 alone is not enough: for |lse2| in [2^10, 2^11)
+    its spacing is 2^-13, and a row whose softmax is nearly one-hot has
+    log2(l) < 2^-14, which rounding lse2 loses entirely, always in the same
     direction; every probability of the row is then off by the same factor,
     and a float32 dk summing thousands of such rows was off by 90 units in the
     last place, past its tolerance (docs/DEFECTS.md, D32)."""
@@ -76,11 +76,12 @@ class SoftmaxState(NamedTuple):
     # the benchmark tables were measured with it.
     out = self.acc * along_rows(1.0 / l_safe, self.acc)
     log_l = fast_math.log2(l_safe)
-    total = self.m + log_l
-    lse2 = jnp.where(has_key, total, -jnp.inf)
+    lse2 = jnp.where(has_key, self.m + log_l, -jnp.inf)
     if not with_low:
       return out, lse2
-    return out, lse2, jnp.where(has_key, rounding_error(self.m, log_l, total), 0.0)
+    m_safe = jnp.where(has_key, self.m, 0.0)  # no -inf - -inf on rows without a key
+    low = rounding_error(m_safe, log_l, m_safe + log_l)
+    return out, lse2, jnp.where(has_key, low, 0.0)
 
 
 def rounding_error(a, b, total):
