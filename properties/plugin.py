@@ -159,9 +159,9 @@ def property_tests(profile, oracle_chunks: int | None = None) -> list["PropertyT
   campaign asks for more than its box can run (ua-verify --minutes), so that no
   worker runs out of tests before the deadline; with the first round in front
   and the first round's shares of the box (time_share), a short box still
-  starts every property. Before, the profile's ten chunks of matches_oracle per dtype came
-  first, and on one H200 a two-minute box ended before seven of the eleven
-  properties had started (docs/VERIFICATION.md)."""
+  starts every property. Before, the profile's ten chunks of matches_oracle per
+  dtype came first, and on one H200 a two-minute box ended before six or seven
+  of the eleven properties had started (docs/VERIFICATION.md)."""
   from .capabilities import DTYPES
   from .registry import PROPERTIES
   chunks = max(profile.oracle_chunks, oracle_chunks or 0)

@@ -112,7 +112,8 @@ def _compare(shape_class, tiles):
   temp = None if temp is None else temp.astype(jnp.float32)
   triton = KernelConfig(backend="triton", interpret=True)
   fast_cap = attention_module._fast_cap(spec, q.dtype)
-  out, lse2, lse2_low = attention_module._forward(spec, triton, q, k, v, seg, temp)
+  out, lse2, lse2_low = attention_module._forward(spec, triton, q, k, v, seg, temp,
+                                                  with_low=True)
   rng = np.random.default_rng(1)
   dout = jnp.asarray(rng.normal(size=q.shape), q.dtype)
   dlse = jnp.asarray(rng.normal(size=lse2.shape), jnp.float32)

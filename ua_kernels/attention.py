@@ -1,8 +1,9 @@
 """Public op: validation, padding, the three pallas_calls, and the custom VJP.
 
 The forward saves only O(T) residuals besides the inputs (out and the base-2
-lse2, and for float32 what rounding lse2 lost, lse2_low); the backward folds the lse cotangent and the z-loss into delta, so the
-dq and dk/dv kernels need no extra inputs for them:
+lse2, and for float32 what rounding lse2 lost, lse2_low); the backward folds the
+lse cotangent and the z-loss into delta, so the dq and dk/dv kernels need no
+extra inputs for them:
   d logits = p * (dp - delta),  delta = rowsum(dO * O) - dlse - w * lse.
 """
 
@@ -165,12 +166,14 @@ def _keeps_lse2_low(dtype) -> bool:
   return jnp.dtype(dtype) == jnp.float32
 
 
-def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp):
-  """(out, lse2, lse2_low): lse2_low is None unless _keeps_lse2_low."""
+def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
+             with_low: bool = False):
+  """(out, lse2, lse2_low): lse2_low is None unless ``with_low`` (for a
+  backward) and _keeps_lse2_low."""
   if forward_backend(spec, config, q.dtype) == "mosaic":
     return (*mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp,
                                     fast_cap=_fast_cap(spec, q.dtype)), None)
-  keep_low = _keeps_lse2_low(q.dtype)
+  keep_low = with_low and _keeps_lse2_low(q.dtype)
   b, t, hq, d = q.shape
   q, k, v, seg, spans, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg,
                                                                    temp)
@@ -282,7 +285,7 @@ def _attention(spec, config, q, k, v, seg, temp):
 
 
 def _attention_fwd(spec, config, q, k, v, seg, temp):
-  out, lse2, lse2_low = _forward(spec, config, q, k, v, seg, temp)
+  out, lse2, lse2_low = _forward(spec, config, q, k, v, seg, temp, with_low=True)
   return (out, lse2 * LN2), (q, k, v, seg, temp, out, lse2, lse2_low)
 
 

@@ -99,8 +99,8 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, o_ref, lse2
 
 
 def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref,
-              lse2_low_ref, delta_ref, dq_ref, *, spec: StaticSpec, block_q: int, block_kv: int, padded: bool,
-              fast_cap: bool):
+              lse2_low_ref, delta_ref, dq_ref, *, spec: StaticSpec, block_q: int,
+              block_kv: int, padded: bool, fast_cap: bool):
   """dq of one query tile of one head, streaming key tiles."""
   qt = _query_tile(q_ref, seg_ref, temp_ref, block_q)
   do = do_ref[...]
@@ -125,8 +125,8 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref
 
 
 def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref,
-               lse2_low_ref, delta_ref, dk_ref, dv_ref, *, spec: StaticSpec, block_q: int, block_kv: int,
-               padded: bool, fast_cap: bool, per_head_totals: bool):
+               lse2_low_ref, delta_ref, dk_ref, dv_ref, *, spec: StaticSpec, block_q: int,
+               block_kv: int, padded: bool, fast_cap: bool, per_head_totals: bool):
   """dk, dv of one key tile of one kv head, summed over its query-head group.
 
   q/do refs hold the G query heads of the group ([T, G, D]); lse2/lse2_low/
