@@ -148,9 +148,10 @@ MUTANTS = [
            "segment spans one short: the last key of each segment's extent skipped"),
     Mutant("M31", SEGMENT_SPANS, "jnp.where(ends, index + 1, t)", "jnp.where(ends, index, t)",
            "runs of one id one short (the spans of in-order ids and the unmasked tiles)"),
-    Mutant("M32", TILE_MATH, "jnp.minimum(full_hi, _div(uniform_hi, block))",
-           "jnp.minimum(full_hi, _ceil_div(uniform_hi, block))",
-           "a tile partly outside its run of one id run without a mask"),
+    Mutant("M32", TILE_MATH, "_ceil_div(uniform_lo, block), _div(uniform_hi, block), lo, hi)",
+           "_ceil_div(uniform_lo, block), _ceil_div(uniform_hi, block), lo, hi)",
+           "a tile partly outside its run of one id run without its segment ids (masked by "
+           "position only, or unmasked)"),
     Mutant("M28", TILE_MATH, "jnp.minimum(hi, _ceil_div(span_hi, block))",
            "jnp.minimum(hi, _div(span_hi, block))",
            "tile range narrowed to a segment span rounded down at its end (a partial tile dropped)"),

@@ -91,16 +91,57 @@ def test_unmasked_tiles_are_fully_visible(t, bq, bkv, causal, window):
   spec = _spec(t, causal, window)
   mask = np.asarray(visible_keys(t, None, causal, window))[0]
   tile = lambda i, j: mask[i * bq:(i + 1) * bq, j * bkv:(j + 1) * bkv]
-  for i in range(t // bq):
-    lo, full_lo, full_hi, hi = (int(x) for x in kv_tiles(spec, jnp.int32(i * bq), bq, bkv, False))
+  def bounds(tiles):
+    assert tiles.run_lo is None and tiles.run_hi is None  # no segment ids, no runs
+    lo, full_lo, full_hi, hi = (int(x) for x in (tiles.lo, tiles.full_lo, tiles.full_hi,
+                                                 tiles.hi))
     assert lo <= full_lo <= full_hi <= hi
-    for j in range(full_lo, full_hi):
+    return full_lo, full_hi
+
+  for i in range(t // bq):
+    for j in range(*bounds(kv_tiles(spec, jnp.int32(i * bq), bq, bkv, False))):
       assert tile(i, j).all(), (i, j)
   for j in range(t // bkv):
-    lo, full_lo, full_hi, hi = (int(x) for x in q_tiles(spec, jnp.int32(j * bkv), bq, bkv, False))
-    assert lo <= full_lo <= full_hi <= hi
-    for i in range(full_lo, full_hi):
+    for i in range(*bounds(q_tiles(spec, jnp.int32(j * bkv), bq, bkv, False))):
       assert tile(i, j).all(), (i, j)
+
+
+@pytest.mark.parametrize("ranges", [
+    (0, None, None, None, None, 5),   # masked throughout
+    (1, None, 2, 4, None, 6),         # causal/window band, no segment ids
+    (0, 1, 1, 3, 4, 7),               # packed documents: run, band inside it
+    (2, 2, 3, 3, 5, 5),               # empty band, run over the whole range
+    (1, 3, None, None, 3, 6),         # padded: a run, no unmasked interior
+    (4, 4, 4, 4, 4, 4),               # nothing visited
+])
+def test_tile_loop_visits_each_tile_once_in_order_with_its_mask(ranges):
+  """tile_loop runs its body over [lo, hi) in ascending order (the Mosaic
+  kernels' rings hand out tiles in that order), once per tile, with no mask in
+  [full_lo, full_hi), a mask by position in the rest of [run_lo, run_hi), and a
+  full one (positions and segment ids) outside it."""
+  from ua_kernels.tile_math import TileMask, Tiles, tile_loop
+  tiles = Tiles(*(None if x is None else jnp.int32(x) for x in ranges))
+  lo, run_lo, full_lo, full_hi, run_hi, hi = ranges
+  n = 8
+
+  def body(i, carry, mask):
+    order, kinds, count = carry
+    return order.at[count].set(i), kinds.at[i].set(int(mask)), count + 1
+
+  order, kinds, count = tile_loop(tiles, body, (jnp.full(n, -1, jnp.int32),
+                                                jnp.full(n, -1, jnp.int32), jnp.int32(0)))
+  assert int(count) == hi - lo
+  np.testing.assert_array_equal(np.asarray(order)[:hi - lo], np.arange(lo, hi))
+  expected = np.full(n, -1)
+  for i in range(lo, hi):
+    in_run = run_lo is None or run_lo <= i < run_hi
+    if full_lo is not None and full_lo <= i < full_hi:
+      expected[i] = TileMask.NONE
+    elif in_run and run_lo is not None:
+      expected[i] = TileMask.POSITIONS
+    else:
+      expected[i] = TileMask.FULL
+  np.testing.assert_array_equal(np.asarray(kinds), expected)
 
 
 
@@ -228,12 +269,12 @@ def test_segment_spans_skip_only_tiles_without_a_visible_pair(segments, causal, 
                               jnp.int32(spans[1, start:start + size].max()))
   by_query = np.zeros_like(needed)
   for i in range(nq):
-    lo, _, _, hi = kv_tiles(spec, jnp.int32(i * bq), bq, bkv, True, span(i * bq, bq))
-    by_query[i, int(lo):max(int(hi), int(lo))] = True
+    tiles = kv_tiles(spec, jnp.int32(i * bq), bq, bkv, True, span(i * bq, bq))
+    by_query[i, int(tiles.lo):max(int(tiles.hi), int(tiles.lo))] = True
   by_key = np.zeros_like(needed)
   for j in range(nkv):
-    lo, _, _, hi = q_tiles(spec, jnp.int32(j * bkv), bq, bkv, True, span(j * bkv, bkv))
-    by_key[int(lo):max(int(hi), int(lo)), j] = True
+    tiles = q_tiles(spec, jnp.int32(j * bkv), bq, bkv, True, span(j * bkv, bkv))
+    by_key[int(tiles.lo):max(int(tiles.hi), int(tiles.lo)), j] = True
   # The tiles meeting a query tile's span: the hull of its ids' extents
   # (the band's tiles, when the ids have no span).
   band = np.asarray(visible_keys(t, None, causal, window))[0]
@@ -258,9 +299,11 @@ def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, 
   """With segment ids and their runs (segment_runs: the positions around each
   one holding its id), the tiles the kernels run unmasked hold only visible
   pairs, and every tile pair that lies inside one run and the causal/window
-  band is among them. "alternating": ids 0, 1, 0, 1 in runs of 12, so that a
-  segment's extent (its span) holds the other's runs, which a span taken for
-  a run would leave unmasked."""
+  band is among them; the tiles masked by position only (the run's range, no
+  segment ids read) hold only same-segment pairs, and every visited tile pair
+  inside one run is among them. "alternating": ids 0, 1, 0, 1 in runs of 12,
+  so that a segment's extent (its span) holds the other's runs, which a span
+  taken for a run would leave unmasked."""
   from ua_kernels.tile_math import kv_tiles, q_tiles
   t = 96
   rng = np.random.default_rng(5)
@@ -296,8 +339,8 @@ def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, 
       tiles = (kv_tiles if by_query else q_tiles)(
           spec, jnp.int32(a * block), bq, bkv, False, span(a * block, block),
           uniform(a * block, block))
-      lo, full_lo, full_hi, hi = (int(x) for x in tiles)
-      assert lo <= full_lo <= full_hi <= hi
+      lo, run_lo, full_lo, full_hi, run_hi, hi = (int(x) for x in tiles)
+      assert lo <= run_lo <= full_lo <= full_hi <= run_hi <= hi
       for c in range(t // other):
         rows = np.arange(a * block, (a + 1) * block)
         cols = np.arange(c * other, (c + 1) * other)
@@ -308,6 +351,10 @@ def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, 
           assert mask[np.ix_(rows, cols)].all(), (by_query, a, c)
         elif band[np.ix_(rows, cols)].all() and in_one_run(rows, cols):
           raise AssertionError(f"tile pair {(a, c)} inside one run and the band is masked")
+        if run_lo <= c < run_hi:  # masked by position only
+          assert (seg[rows][:, None] == seg[cols][None, :]).all(), (by_query, a, c)
+        elif lo <= c < hi and in_one_run(rows, cols):
+          raise AssertionError(f"tile pair {(a, c)} inside one run reads segment ids")
 
 
 def test_float32_gqa_group_sum_is_as_accurate_as_mha():

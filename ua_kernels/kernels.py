@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from ua_reference.contract import StaticSpec
 
 from .softmax_state import SoftmaxState
-from .tile_math import (dot, fixed_shift, gradient_product, kv_tiles, logits_grad,
+from .tile_math import (TileMask, dot, fixed_shift, gradient_product, kv_tiles, logits_grad,
                         matmul_operand, positions, probabilities, q_tiles, scaled_back,
                         tile_logits, tile_loop, visible_mask)
 
@@ -60,13 +60,16 @@ def _query_tile(q_ref, seg_ref, temp_ref, block_q) -> _QueryTile:
 def _key_tile(spec, qt: _QueryTile, k_ref, seg_ref, kv_block, block_kv, padded, fast_cap,
               masked):
   """Loads key tile ``kv_block`` and scores it against the query tile:
-  (k, logits), the mask built only when ``masked``."""
+  (k, logits), the mask built as ``masked`` (tile_loop's TileMask) says."""
   k_start = kv_block * block_kv
   k = k_ref[pl.ds(k_start, block_kv), :]
   mask = None
   if masked:
-    mask = visible_mask(spec, qt.pos, positions(k_start, block_kv), qt.seg,
-                        _segment_tile(seg_ref, k_start, block_kv), padded=padded)
+    by_segment = masked is TileMask.FULL
+    mask = visible_mask(spec, qt.pos, positions(k_start, block_kv),
+                        qt.seg if by_segment else None,
+                        _segment_tile(seg_ref, k_start, block_kv) if by_segment else None,
+                        padded=padded)
   return k, tile_logits(spec, qt.q, k, qt.temp, mask, fast_cap)
 
 
@@ -164,8 +167,10 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
     temp = None if temp_ref is None else temp_ref[g, rows]
     mask = None
     if masked:
+      by_segment = masked is TileMask.FULL
       mask = visible_mask(spec, positions(q_start, block_q), k_pos,
-                          _segment_tile(seg_ref, q_start, block_q), k_seg, padded=padded)
+                          _segment_tile(seg_ref, q_start, block_q) if by_segment else None,
+                          k_seg if by_segment else None, padded=padded)
     logits = tile_logits(spec, q, k, temp, mask, fast_cap)
     p = probabilities(logits, lse2, lse2_low)
     dv = dv + gradient_product(p.astype(do.dtype), do, trans_a=True)

@@ -217,12 +217,12 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         return dq
 
       dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      lo, full_lo, full_hi, hi = own_tiles(kv_tiles(
+      tiles = own_tiles(kv_tiles(
           spec_padded, q_start, bq, bkv, padded,
           own_span, own_uniform), cta_lo, cta_hi)
-      dq = lax.fori_loop(cta_lo, lo, drain, dq)
-      dq = tile_loop((lo, full_lo, full_hi, hi), visit, dq)
-      dq = lax.fori_loop(hi, cta_hi, drain, dq)
+      dq = lax.fori_loop(cta_lo, tiles.lo, drain, dq)
+      dq = tile_loop(tiles, visit, dq)
+      dq = lax.fori_loop(tiles.hi, cta_hi, drain, dq)
       q_smem[...] = dq.astype(dtype)  # Q's buffer holds dq on its way out
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[own])
@@ -420,12 +420,12 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         return lax.fori_loop(0, group, lambda g, c: visit(qb, g, c, masked), carry)
 
       zeros = plgpu.layout_cast(jnp.zeros((bkv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      lo, full_lo, full_hi, hi = own_tiles(q_tiles(
+      tiles = own_tiles(q_tiles(
           spec_padded, k_start, bq, bkv, padded,
           own_span, own_uniform), cta_lo, cta_hi)
-      carry = lax.fori_loop(first, lo * group, drain, (zeros, zeros))
-      carry = tile_loop((lo, full_lo, full_hi, hi), query_tile, carry)
-      dk, dv = lax.fori_loop(hi * group, last, drain, carry)
+      carry = lax.fori_loop(first, tiles.lo * group, drain, (zeros, zeros))
+      carry = tile_loop(tiles, query_tile, carry)
+      dk, dv = lax.fori_loop(tiles.hi * group, last, drain, carry)
       k_smem[...] = dk.astype(dtype)  # K's and V's buffers hold dk, dv on their way out
       v_smem[...] = dv.astype(dtype)
       plgpu.commit_smem()

@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
 
-from .tile_math import scores_to_logits, visible_mask
+from .tile_math import TileMask, Tiles, scores_to_logits, visible_mask
 
 # bfloat16 and float16: wgmma's 16-bit operands (float32 stays on Triton).
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -49,14 +49,15 @@ def position_tiles(shape, q_start, k_start, query_axis: int):
   return q_start + iota(query_axis), k_start + iota(1 - query_axis)
 
 
-def tile_logits(spec: StaticSpec, scores, temp, q_start, k_start, *, masked: bool,
+def tile_logits(spec: StaticSpec, scores, temp, q_start, k_start, *, masked: TileMask,
                 seg_ref, batch, padded: bool, fast_cap: bool, query_axis: int = 0):
   """The logits of a score tile (tile_math.scores_to_logits) whose queries
-  start at ``q_start`` and keys at ``k_start``, along ``query_axis``; where
-  ``masked``, hidden by tile_math.visible_mask, for which the tile's segment
-  ids are read here from ``seg_ref`` (None: no segment ids). The ids are read
-  only for masked tiles: read once per program, beside the span scalars,
-  they cost 11% of the forward on the H200 (docs/BENCHMARKS.md)."""
+  start at ``q_start`` and keys at ``k_start``, along ``query_axis``, hidden
+  by tile_math.visible_mask as ``masked`` (tile_loop's TileMask) says. The
+  tile's segment ids are read here from ``seg_ref`` (None: no segment ids),
+  only for a FULL mask: a read of global memory in the tile's critical path,
+  which the tiles inside one run of one id (a causal diagonal inside a
+  document) do not need."""
   mask = None
   if masked:
     mgpu = plgpu()
@@ -66,7 +67,7 @@ def tile_logits(spec: StaticSpec, scores, temp, q_start, k_start, *, masked: boo
                           mgpu.Layout.WGMMA.reduce(query_axis))
     q_seg, k_seg = ((load_vector(seg_ref.at[batch, pl.ds(q_start, q_len)], q_layout),
                      load_vector(seg_ref.at[batch, pl.ds(k_start, k_len)], k_layout))
-                    if seg_ref is not None else (None, None))
+                    if seg_ref is not None and masked is TileMask.FULL else (None, None))
     mask = visible_mask(spec, q_pos, k_pos, q_seg, k_seg, padded=padded, query_axis=query_axis)
   return scores_to_logits(spec, scores, temp, mask, fast_cap, query_axis=query_axis)
 
@@ -103,25 +104,29 @@ def tile_span(ranges_ref, batch, tile, has_segments: bool):
           (ranges_ref[batch, tile, 2], ranges_ref[batch, tile, 3]))
 
 
-def own_tiles(tiles, program_lo, program_hi):
-  """A warpgroup's tile range (tile_math.kv_tiles/q_tiles) clipped into its
-  program's [program_lo, program_hi), with hi >= lo. A warpgroup drains the
-  program's tiles outside its own range, so the two must nest: a warpgroup
-  whose rows are all padding has an empty segment span, lo > hi, which would
-  drain tiles twice or ones never loaded."""
-  lo, full_lo, full_hi, hi = tiles
-  lo = jnp.clip(lo, program_lo, program_hi)
-  hi = jnp.clip(hi, lo, program_hi)
-  if full_lo is None:
-    return lo, None, None, hi
-  full_lo = jnp.clip(full_lo, lo, hi)
-  return lo, full_lo, jnp.clip(full_hi, full_lo, hi), hi
+def own_tiles(tiles: Tiles, program_lo, program_hi) -> Tiles:
+  """A warpgroup's Tiles (tile_math.kv_tiles/q_tiles) clipped into its
+  program's [program_lo, program_hi), each sub-range nested in the one around
+  it. A warpgroup drains the program's tiles outside its own range, so the two
+  must nest: a warpgroup whose rows are all padding has an empty segment span,
+  lo > hi, which would drain tiles twice or ones never loaded."""
+  lo = jnp.clip(tiles.lo, program_lo, program_hi)
+  hi = jnp.clip(tiles.hi, lo, program_hi)
+  run_lo = run_hi = None
+  outer = lo, hi
+  if tiles.run_lo is not None:
+    run_lo = jnp.clip(tiles.run_lo, lo, hi)
+    run_hi = jnp.clip(tiles.run_hi, run_lo, hi)
+    outer = run_lo, run_hi
+  if tiles.full_lo is None:
+    return Tiles(lo, run_lo, None, None, run_hi, hi)
+  full_lo = jnp.clip(tiles.full_lo, *outer)
+  return Tiles(lo, run_lo, full_lo, jnp.clip(tiles.full_hi, full_lo, outer[1]), run_hi, hi)
 
 
-def program_tiles(tiles):
-  """(lo, hi) of a program's tile range, hi >= lo (tiles as own_tiles)."""
-  lo, _, _, hi = tiles
-  return lo, jnp.maximum(hi, lo)
+def program_tiles(tiles: Tiles):
+  """(lo, hi) of a program's tile range, hi >= lo."""
+  return tiles.lo, jnp.maximum(tiles.hi, tiles.lo)
 
 
 def swizzled():

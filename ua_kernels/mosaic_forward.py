@@ -161,13 +161,13 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
                                      jnp.float32), row_layout),
           plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout),
           plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA))
-      lo, full_lo, full_hi, hi = own_tiles(kv_tiles(
+      tiles = own_tiles(kv_tiles(
           spec_padded, q_start, block_q, block_kv, padded,
           own_span, own_uniform), cta_lo, cta_hi)
       pl.when(wg == 1)(schedule_sync)
-      state = lax.fori_loop(cta_lo, lo, drain, state)
-      state = tile_loop((lo, full_lo, full_hi, hi), visit, state)
-      state = lax.fori_loop(hi, cta_hi, drain, state)
+      state = lax.fori_loop(cta_lo, tiles.lo, drain, state)
+      state = tile_loop(tiles, visit, state)
+      state = lax.fori_loop(tiles.hi, cta_hi, drain, state)
       pl.when(wg == 0)(schedule_sync)
 
       out, lse2 = state.finalize()

@@ -7,6 +7,7 @@ and what they accumulate, so every masking or capping rule lives here once.
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import NamedTuple
 
@@ -318,6 +319,33 @@ def q_block_range(spec: StaticSpec, k_start, block_q, block_kv):
   return lo, hi
 
 
+class TileMask(enum.IntEnum):
+  """What the mask of a tile pair must hide, as tile_loop passes it to its
+  body (falsy: nothing, no mask is built)."""
+
+  NONE = 0
+  # Causal, window and padding only: every query and key of the pair lies in
+  # one run of one segment id, so the segment ids need not be read.
+  POSITIONS = 1
+  # Positions and segment ids.
+  FULL = 2
+
+
+class Tiles(NamedTuple):
+  """A tile loop's range [lo, hi), in order lo <= run_lo <= full_lo <= full_hi
+  <= run_hi <= hi. [run_lo, run_hi): tiles inside the run of one segment id
+  that holds the whole program tile, masked by position only (None without
+  segment runs). [full_lo, full_hi): tiles whose every pair is visible, run
+  without a mask (None when the loop is not split)."""
+
+  lo: jax.Array
+  run_lo: jax.Array | None
+  full_lo: jax.Array | None
+  full_hi: jax.Array | None
+  run_hi: jax.Array | None
+  hi: jax.Array
+
+
 def _has_unmasked_interior(spec: StaticSpec, padded: bool, uniform) -> bool:
   """Tiles wholly inside the causal/window band, and with segment ids inside
   the tile's run of one id (``uniform``), need no mask; padding needs one
@@ -336,63 +364,75 @@ def _within_span(lo, hi, span, block: int):
   return jnp.maximum(lo, _div(span_lo, block)), jnp.minimum(hi, _ceil_div(span_hi, block))
 
 
-def _inside_uniform(full_lo, full_hi, uniform, block: int):
-  """[full_lo, full_hi) narrowed to the tiles of ``block`` positions wholly
-  inside the positions [uniform_lo, uniform_hi) (no change when None)."""
-  if uniform is None:
-    return full_lo, full_hi
-  uniform_lo, uniform_hi = uniform
-  return (jnp.maximum(full_lo, _ceil_div(uniform_lo, block)),
-          jnp.minimum(full_hi, _div(uniform_hi, block)))
+def _nested(a, b, lo, hi):
+  """[a, b) clipped into [lo, hi), with lo <= a <= b <= hi (empty at worst)."""
+  a = jnp.minimum(jnp.maximum(a, lo), hi)
+  return a, jnp.minimum(jnp.maximum(b, a), hi)
+
+
+def _split(lo, hi, band_lo, band_hi, uniform, block: int, interior: bool) -> Tiles:
+  """Tiles of [lo, hi): those inside ``uniform``'s run, and of those the ones
+  inside the band [band_lo, band_hi) of tiles visible by position (when the
+  loop has an ``interior`` without a mask)."""
+  run_lo = run_hi = None
+  if uniform is not None:
+    uniform_lo, uniform_hi = uniform
+    run_lo, run_hi = _nested(_ceil_div(uniform_lo, block), _div(uniform_hi, block), lo, hi)
+  if not interior:
+    return Tiles(lo, run_lo, None, None, run_hi, hi)
+  outer = (lo, hi) if uniform is None else (run_lo, run_hi)
+  full_lo, full_hi = _nested(band_lo, band_hi, *outer)
+  return Tiles(lo, run_lo, full_lo, full_hi, run_hi, hi)
 
 
 def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool, span=None,
-             uniform=None):
-  """(lo, full_lo, full_hi, hi): the key tiles a query tile visits, and the
-  sub-range [full_lo, full_hi) whose every (query, key) pair is visible
-  (full_lo is None when the loop is not split). ``span``: the positions
+             uniform=None) -> Tiles:
+  """The key tiles a query tile visits (Tiles). ``span``: the positions
   [lo, hi) that share a segment with some query of the tile (segment ids);
   ``uniform``: the positions [lo, hi) of one run of one segment id that holds
   every query of the tile (empty when the tile holds two runs), so that key
   tiles inside it need no segment mask (segment_spans.segment_runs)."""
   lo, hi = _within_span(*kv_block_range(spec, q_start, block_q, block_kv), span, block_kv)
-  if not _has_unmasked_interior(spec, padded, uniform):
-    return lo, None, None, hi
-  full_lo, full_hi = lo, hi
+  band_lo, band_hi = lo, hi
   if spec.window_len > 0:  # first key of the tile within every query's window
-    full_lo = jnp.maximum(_ceil_div(jnp.maximum(q_start + block_q - spec.window_len, 0),
-                                    block_kv), lo)
+    band_lo = _ceil_div(jnp.maximum(q_start + block_q - spec.window_len, 0), block_kv)
   if spec.causal:  # last key of the tile <= first query of the tile
-    full_hi = jnp.minimum(_div(q_start + 1, block_kv), hi)
-  full_lo, full_hi = _inside_uniform(full_lo, full_hi, uniform, block_kv)
-  full_lo = jnp.minimum(full_lo, hi)
-  return lo, full_lo, jnp.maximum(full_hi, full_lo), hi
+    band_hi = _div(q_start + 1, block_kv)
+  return _split(lo, hi, band_lo, band_hi, uniform, block_kv,
+                _has_unmasked_interior(spec, padded, uniform))
 
 
 def q_tiles(spec: StaticSpec, k_start, block_q, block_kv, padded: bool, span=None,
-            uniform=None):
-  """(lo, full_lo, full_hi, hi) of query tiles for a key tile; see kv_tiles."""
+            uniform=None) -> Tiles:
+  """The query tiles that a key tile visits (Tiles); see kv_tiles."""
   lo, hi = _within_span(*q_block_range(spec, k_start, block_q, block_kv), span, block_q)
-  if not _has_unmasked_interior(spec, padded, uniform):
-    return lo, None, None, hi
-  full_lo, full_hi = lo, hi
+  band_lo, band_hi = lo, hi
   if spec.causal:  # first query of the tile >= last key of the tile
-    full_lo = jnp.maximum(_ceil_div(k_start + block_kv - 1, block_q), lo)
+    band_lo = _ceil_div(k_start + block_kv - 1, block_q)
   if spec.window_len > 0:  # last query of the tile within the first key's window
-    full_hi = jnp.minimum(_div(k_start + spec.window_len, block_q), hi)
-  full_lo, full_hi = _inside_uniform(full_lo, full_hi, uniform, block_q)
-  full_lo = jnp.minimum(full_lo, hi)
-  return lo, full_lo, jnp.maximum(full_hi, full_lo), hi
+    band_hi = _div(k_start + spec.window_len, block_q)
+  return _split(lo, hi, band_lo, band_hi, uniform, block_q,
+                _has_unmasked_interior(spec, padded, uniform))
 
 
-def tile_loop(tiles, body, carry):
-  """Runs ``body(tile, carry, masked)`` over the tiles; tiles in the fully
-  visible sub-range run with ``masked=False`` (no mask is built)."""
-  lo, full_lo, full_hi, hi = tiles
-  masked = lambda i, c: body(i, c, True)
-  if full_lo is None:
-    return lax.fori_loop(lo, hi, masked, carry)
-  carry = lax.fori_loop(lo, full_lo, masked, carry)
-  carry = lax.fori_loop(full_lo, full_hi, lambda i, c: body(i, c, False), carry)
-  return lax.fori_loop(full_hi, hi, masked, carry)
+def tile_loop(tiles: Tiles, body, carry):
+  """Runs ``body(tile, carry, mask)`` over the tiles in order, ``mask`` the
+  TileMask of the tile's range: no mask is built in [full_lo, full_hi), and
+  none of the segment ids is read in [run_lo, run_hi)."""
+  def run(a, b, mask, carry):
+    return lax.fori_loop(a, b, lambda i, c: body(i, c, mask), carry)
 
+  has_run = tiles.run_lo is not None
+  lo, hi = (tiles.run_lo, tiles.run_hi) if has_run else (tiles.lo, tiles.hi)
+  inner = TileMask.POSITIONS if has_run else TileMask.FULL
+  if has_run:
+    carry = run(tiles.lo, lo, TileMask.FULL, carry)
+  if tiles.full_lo is None:
+    carry = run(lo, hi, inner, carry)
+  else:
+    carry = run(lo, tiles.full_lo, inner, carry)
+    carry = run(tiles.full_lo, tiles.full_hi, TileMask.NONE, carry)
+    carry = run(tiles.full_hi, hi, inner, carry)
+  if has_run:
+    carry = run(hi, tiles.hi, TileMask.FULL, carry)
+  return carry
