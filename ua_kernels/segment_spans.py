@@ -38,10 +38,11 @@ def _extents(seg):
   index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   in_table = jnp.all((seg >= 0) & (seg < t), axis=1, keepdims=True)
   ids = jnp.where(in_table, seg, 0)
-  first = jax.vmap(lambda i, g: jax.ops.segment_min(i, g, num_segments=t))(index, ids)
-  last = jax.vmap(lambda i, g: jax.ops.segment_max(i, g, num_segments=t))(index, ids)
-  lo = jnp.take_along_axis(first, ids, axis=1)
-  hi = jnp.take_along_axis(last, ids, axis=1) + 1
+  # One scatter for both ends: the minimum of (i, -i) per id is (first, -last).
+  both = jnp.stack([index, -index], axis=-1)
+  ends = jax.vmap(lambda x, g: jax.ops.segment_min(x, g, num_segments=t))(both, ids)
+  lo = jnp.take_along_axis(ends[..., 0], ids, axis=1)
+  hi = 1 - jnp.take_along_axis(ends[..., 1], ids, axis=1)
   return jnp.where(in_table, lo, 0), jnp.where(in_table, hi, t)
 
 
