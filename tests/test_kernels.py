@@ -81,6 +81,12 @@ def test_output_dtypes_and_lse(dtype):
   assert [g.dtype for g in grads] == [dtype] * 3
 
 
+def _tile_masks(tiles):
+  """{tile: TileMask} of the tiles a loop over ``tiles`` (tile_math.Tiles) visits."""
+  bounds = [int(b) for b in tiles.bounds]
+  return {i: mask for a, b, mask in zip(bounds, bounds[1:], tiles.masks) for i in range(a, b)}
+
+
 @pytest.mark.parametrize("t, bq, bkv", [(64, 16, 16), (64, 32, 16), (64, 16, 32), (128, 32, 16)])
 @pytest.mark.parametrize("causal, window", [(True, 0), (True, 5), (True, 40), (False, 9),
                                             (False, 33), (True, 1)])
@@ -91,58 +97,54 @@ def test_unmasked_tiles_are_fully_visible(t, bq, bkv, causal, window):
   spec = _spec(t, causal, window)
   mask = np.asarray(visible_keys(t, None, causal, window))[0]
   tile = lambda i, j: mask[i * bq:(i + 1) * bq, j * bkv:(j + 1) * bkv]
-  def bounds(tiles):
-    assert tiles.run_lo is None and tiles.run_hi is None  # no segment ids, no runs
-    lo, full_lo, full_hi, hi = (int(x) for x in (tiles.lo, tiles.full_lo, tiles.full_hi,
-                                                 tiles.hi))
-    assert lo <= full_lo <= full_hi <= hi
-    return full_lo, full_hi
+  from ua_kernels.tile_math import TileMask
+
+  def unmasked(tiles, causal, window):
+    masks = _tile_masks(tiles)
+    assert sorted(masks) == list(range(int(tiles.lo), max(int(tiles.hi), int(tiles.lo))))
+    assert TileMask.POSITIONS not in tiles.masks  # no segment ids, no runs
+    # Only the sides the band can cut have a masked sub-range (a compiled loop).
+    assert len(tiles.masks) == 1 + (causal or window > 0) + (causal and window > 0)
+    return [i for i, mask in masks.items() if mask is TileMask.NONE]
 
   for i in range(t // bq):
-    for j in range(*bounds(kv_tiles(spec, jnp.int32(i * bq), bq, bkv, False))):
+    for j in unmasked(kv_tiles(spec, jnp.int32(i * bq), bq, bkv, False), causal, window):
       assert tile(i, j).all(), (i, j)
   for j in range(t // bkv):
-    for i in range(*bounds(q_tiles(spec, jnp.int32(j * bkv), bq, bkv, False))):
+    for i in unmasked(q_tiles(spec, jnp.int32(j * bkv), bq, bkv, False), causal, window):
       assert tile(i, j).all(), (i, j)
 
 
-@pytest.mark.parametrize("ranges", [
-    (0, None, None, None, None, 5),   # masked throughout
-    (1, None, 2, 4, None, 6),         # causal/window band, no segment ids
-    (0, 1, 1, 3, 4, 7),               # packed documents: run, band inside it
-    (2, 2, 3, 3, 5, 5),               # empty band, run over the whole range
-    (1, 3, None, None, 3, 6),         # padded: a run, no unmasked interior
-    (4, 4, 4, 4, 4, 4),               # nothing visited
+@pytest.mark.parametrize("bounds, masks", [
+    ((0, 5), "F"),                     # masked throughout
+    ((1, 4, 6), "NF"),                 # causal band's interior, then its diagonal
+    ((1, 2, 4, 6), "FNF"),             # a window's edge, the interior, the diagonal
+    ((0, 1, 1, 3, 4, 7), "FPNPF"),     # a run inside the range, the band inside it
+    ((2, 2, 3, 3, 5, 5), "FPNPF"),     # empty band and edges
+    ((1, 3, 3, 6), "FPF"),             # padded: a run, no unmasked interior
+    ((4, 4), "F"),                     # nothing visited
 ])
-def test_tile_loop_visits_each_tile_once_in_order_with_its_mask(ranges):
+def test_tile_loop_visits_each_tile_once_in_order_with_its_mask(bounds, masks):
   """tile_loop runs its body over [lo, hi) in ascending order (the Mosaic
-  kernels' rings hand out tiles in that order), once per tile, with no mask in
-  [full_lo, full_hi), a mask by position in the rest of [run_lo, run_hi), and a
-  full one (positions and segment ids) outside it."""
+  kernels' rings hand out tiles in that order), once per tile, each with the
+  mask of its sub-range."""
   from ua_kernels.tile_math import TileMask, Tiles, tile_loop
-  tiles = Tiles(*(None if x is None else jnp.int32(x) for x in ranges))
-  lo, run_lo, full_lo, full_hi, run_hi, hi = ranges
-  n = 8
+  kinds = {"F": TileMask.FULL, "P": TileMask.POSITIONS, "N": TileMask.NONE}
+  tiles = Tiles(tuple(jnp.int32(b) for b in bounds), tuple(kinds[m] for m in masks))
+  lo, hi, n = bounds[0], bounds[-1], 8
 
   def body(i, carry, mask):
-    order, kinds, count = carry
-    return order.at[count].set(i), kinds.at[i].set(int(mask)), count + 1
+    order, seen, count = carry
+    return order.at[count].set(i), seen.at[i].set(int(mask)), count + 1
 
-  order, kinds, count = tile_loop(tiles, body, (jnp.full(n, -1, jnp.int32),
-                                                jnp.full(n, -1, jnp.int32), jnp.int32(0)))
+  order, seen, count = tile_loop(tiles, body, (jnp.full(n, -1, jnp.int32),
+                                               jnp.full(n, -1, jnp.int32), jnp.int32(0)))
   assert int(count) == hi - lo
   np.testing.assert_array_equal(np.asarray(order)[:hi - lo], np.arange(lo, hi))
   expected = np.full(n, -1)
-  for i in range(lo, hi):
-    in_run = run_lo is None or run_lo <= i < run_hi
-    if full_lo is not None and full_lo <= i < full_hi:
-      expected[i] = TileMask.NONE
-    elif in_run and run_lo is not None:
-      expected[i] = TileMask.POSITIONS
-    else:
-      expected[i] = TileMask.FULL
-  np.testing.assert_array_equal(np.asarray(kinds), expected)
-
+  for a, b, m in zip(bounds, bounds[1:], masks):
+    expected[a:b] = kinds[m]
+  np.testing.assert_array_equal(np.asarray(seen), expected)
 
 
 def _cap_spec(cap_method, cap_params, dtype=np.float32):
@@ -304,7 +306,7 @@ def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, 
   inside one run is among them. "alternating": ids 0, 1, 0, 1 in runs of 12,
   so that a segment's extent (its span) holds the other's runs, which a span
   taken for a run would leave unmasked."""
-  from ua_kernels.tile_math import kv_tiles, q_tiles
+  from ua_kernels.tile_math import TileMask, kv_tiles, q_tiles
   t = 96
   rng = np.random.default_rng(5)
   if segments == "packed":
@@ -339,21 +341,28 @@ def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, 
       tiles = (kv_tiles if by_query else q_tiles)(
           spec, jnp.int32(a * block), bq, bkv, False, span(a * block, block),
           uniform(a * block, block))
-      lo, run_lo, full_lo, full_hi, run_hi, hi = (int(x) for x in tiles)
-      assert lo <= run_lo <= full_lo <= full_hi <= run_hi <= hi
+      bounds = [int(b) for b in tiles.bounds]
+      assert bounds == sorted(bounds)
+      # A band that can end inside the range on a side adds a sub-range there:
+      # a window before a query tile's keys, causality after them.
+      cut_lo, cut_hi = (window > 0, causal) if by_query else (causal, window > 0)
+      assert tiles.masks == (TileMask.FULL, *(TileMask.POSITIONS,) * cut_lo, TileMask.NONE,
+                             *(TileMask.POSITIONS,) * cut_hi, TileMask.FULL)
+      masks = _tile_masks(tiles)
       for c in range(t // other):
         rows = np.arange(a * block, (a + 1) * block)
         cols = np.arange(c * other, (c + 1) * other)
         if not by_query:
           rows, cols = cols, rows
-        unmasked = full_lo <= c < full_hi
-        if unmasked:
+        if c not in masks:
+          continue
+        if masks[c] is TileMask.NONE:
           assert mask[np.ix_(rows, cols)].all(), (by_query, a, c)
         elif band[np.ix_(rows, cols)].all() and in_one_run(rows, cols):
           raise AssertionError(f"tile pair {(a, c)} inside one run and the band is masked")
-        if run_lo <= c < run_hi:  # masked by position only
+        if masks[c] is not TileMask.FULL:  # no segment ids read
           assert (seg[rows][:, None] == seg[cols][None, :]).all(), (by_query, a, c)
-        elif lo <= c < hi and in_one_run(rows, cols):
+        elif in_one_run(rows, cols):
           raise AssertionError(f"tile pair {(a, c)} inside one run reads segment ids")
 
 

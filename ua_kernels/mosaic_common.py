@@ -106,22 +106,17 @@ def tile_span(ranges_ref, batch, tile, has_segments: bool):
 
 def own_tiles(tiles: Tiles, program_lo, program_hi) -> Tiles:
   """A warpgroup's Tiles (tile_math.kv_tiles/q_tiles) clipped into its
-  program's [program_lo, program_hi), each sub-range nested in the one around
-  it. A warpgroup drains the program's tiles outside its own range, so the two
-  must nest: a warpgroup whose rows are all padding has an empty segment span,
-  lo > hi, which would drain tiles twice or ones never loaded."""
+  program's [program_lo, program_hi), each bound clipped to lie between the
+  one before and hi. A warpgroup drains the program's tiles outside its own
+  range, so the two must nest: a warpgroup whose rows are all padding has an
+  empty segment span, lo > hi, which would drain tiles twice or ones never
+  loaded."""
   lo = jnp.clip(tiles.lo, program_lo, program_hi)
   hi = jnp.clip(tiles.hi, lo, program_hi)
-  run_lo = run_hi = None
-  outer = lo, hi
-  if tiles.run_lo is not None:
-    run_lo = jnp.clip(tiles.run_lo, lo, hi)
-    run_hi = jnp.clip(tiles.run_hi, run_lo, hi)
-    outer = run_lo, run_hi
-  if tiles.full_lo is None:
-    return Tiles(lo, run_lo, None, None, run_hi, hi)
-  full_lo = jnp.clip(tiles.full_lo, *outer)
-  return Tiles(lo, run_lo, full_lo, jnp.clip(tiles.full_hi, full_lo, outer[1]), run_hi, hi)
+  bounds = [lo]
+  for bound in tiles.bounds[1:-1]:
+    bounds.append(jnp.clip(bound, bounds[-1], hi))
+  return Tiles((*bounds, hi), tiles.masks)
 
 
 def program_tiles(tiles: Tiles):

@@ -332,18 +332,21 @@ class TileMask(enum.IntEnum):
 
 
 class Tiles(NamedTuple):
-  """A tile loop's range [lo, hi), in order lo <= run_lo <= full_lo <= full_hi
-  <= run_hi <= hi. [run_lo, run_hi): tiles inside the run of one segment id
-  that holds the whole program tile, masked by position only (None without
-  segment runs). [full_lo, full_hi): tiles whose every pair is visible, run
-  without a mask (None when the loop is not split)."""
+  """A tile loop's range [lo, hi) as consecutive sub-ranges: tiles
+  [bounds[i], bounds[i + 1]) run with masks[i] (TileMask). A sub-range that the
+  spec leaves empty for every tile position is not listed: each listed one is
+  a loop body that the kernels compile."""
 
-  lo: jax.Array
-  run_lo: jax.Array | None
-  full_lo: jax.Array | None
-  full_hi: jax.Array | None
-  run_hi: jax.Array | None
-  hi: jax.Array
+  bounds: tuple
+  masks: tuple
+
+  @property
+  def lo(self):
+    return self.bounds[0]
+
+  @property
+  def hi(self):
+    return self.bounds[-1]
 
 
 def _has_unmasked_interior(spec: StaticSpec, padded: bool, uniform) -> bool:
@@ -370,19 +373,32 @@ def _nested(a, b, lo, hi):
   return a, jnp.minimum(jnp.maximum(b, a), hi)
 
 
-def _split(lo, hi, band_lo, band_hi, uniform, block: int, interior: bool) -> Tiles:
-  """Tiles of [lo, hi): those inside ``uniform``'s run, and of those the ones
-  inside the band [band_lo, band_hi) of tiles visible by position (when the
-  loop has an ``interior`` without a mask)."""
-  run_lo = run_hi = None
-  if uniform is not None:
+def _split(lo, hi, band_lo, band_hi, uniform, block: int, interior: bool,
+           cut_lo: bool, cut_hi: bool) -> Tiles:
+  """Tiles [lo, hi) in sub-ranges: outside ``uniform``'s run of one id (a
+  full mask), inside it (a mask by position), and, when the loop has an
+  ``interior`` without a mask, inside both the run and the band [band_lo,
+  band_hi) of tiles visible by position. ``cut_lo``/``cut_hi``: whether the
+  band can end inside the range on that side (a window, causality); where it
+  cannot, the sub-range between band and run is empty and left out."""
+  if uniform is None:
+    if not interior:
+      return Tiles((lo, hi), (TileMask.FULL,))
+    masked, (run_lo, run_hi) = TileMask.FULL, (lo, hi)
+    outer_lo, outer_hi = (), ()
+  else:
     uniform_lo, uniform_hi = uniform
     run_lo, run_hi = _nested(_ceil_div(uniform_lo, block), _div(uniform_hi, block), lo, hi)
-  if not interior:
-    return Tiles(lo, run_lo, None, None, run_hi, hi)
-  outer = (lo, hi) if uniform is None else (run_lo, run_hi)
-  full_lo, full_hi = _nested(band_lo, band_hi, *outer)
-  return Tiles(lo, run_lo, full_lo, full_hi, run_hi, hi)
+    if not interior:
+      return Tiles((lo, run_lo, run_hi, hi),
+                   (TileMask.FULL, TileMask.POSITIONS, TileMask.FULL))
+    masked = TileMask.POSITIONS
+    outer_lo, outer_hi = ((lo, TileMask.FULL),), ((run_hi, TileMask.FULL),)
+  full_lo, full_hi = _nested(band_lo, band_hi, run_lo, run_hi)
+  parts = (*outer_lo, *(((run_lo, masked),) if cut_lo else ()), (full_lo, TileMask.NONE),
+           *(((full_hi, masked),) if cut_hi else ()), *outer_hi)
+  # The first part starts at lo (full_lo is lo where it comes first).
+  return Tiles((lo, *(b for b, _ in parts[1:]), hi), tuple(m for _, m in parts))
 
 
 def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool, span=None,
@@ -399,7 +415,7 @@ def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool, span=No
   if spec.causal:  # last key of the tile <= first query of the tile
     band_hi = _div(q_start + 1, block_kv)
   return _split(lo, hi, band_lo, band_hi, uniform, block_kv,
-                _has_unmasked_interior(spec, padded, uniform))
+                _has_unmasked_interior(spec, padded, uniform), spec.window_len > 0, spec.causal)
 
 
 def q_tiles(spec: StaticSpec, k_start, block_q, block_kv, padded: bool, span=None,
@@ -412,27 +428,12 @@ def q_tiles(spec: StaticSpec, k_start, block_q, block_kv, padded: bool, span=Non
   if spec.window_len > 0:  # last query of the tile within the first key's window
     band_hi = _div(k_start + spec.window_len, block_q)
   return _split(lo, hi, band_lo, band_hi, uniform, block_q,
-                _has_unmasked_interior(spec, padded, uniform))
+                _has_unmasked_interior(spec, padded, uniform), spec.causal, spec.window_len > 0)
 
 
 def tile_loop(tiles: Tiles, body, carry):
   """Runs ``body(tile, carry, mask)`` over the tiles in order, ``mask`` the
-  TileMask of the tile's range: no mask is built in [full_lo, full_hi), and
-  none of the segment ids is read in [run_lo, run_hi)."""
-  def run(a, b, mask, carry):
-    return lax.fori_loop(a, b, lambda i, c: body(i, c, mask), carry)
-
-  has_run = tiles.run_lo is not None
-  lo, hi = (tiles.run_lo, tiles.run_hi) if has_run else (tiles.lo, tiles.hi)
-  inner = TileMask.POSITIONS if has_run else TileMask.FULL
-  if has_run:
-    carry = run(tiles.lo, lo, TileMask.FULL, carry)
-  if tiles.full_lo is None:
-    carry = run(lo, hi, inner, carry)
-  else:
-    carry = run(lo, tiles.full_lo, inner, carry)
-    carry = run(tiles.full_lo, tiles.full_hi, TileMask.NONE, carry)
-    carry = run(tiles.full_hi, hi, inner, carry)
-  if has_run:
-    carry = run(hi, tiles.hi, TileMask.FULL, carry)
+  TileMask of the tile's sub-range."""
+  for a, b, mask in zip(tiles.bounds, tiles.bounds[1:], tiles.masks):
+    carry = lax.fori_loop(a, b, lambda i, c, mask=mask: body(i, c, mask), carry)
   return carry
