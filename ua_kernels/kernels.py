@@ -33,7 +33,8 @@ def _segment_span(span_ref, start, size):
   tile (segment_spans), and of the run of one id holding the whole tile,
   empty if none does (segment_runs); (None, None) without segment ids. The
   tile loops skip tiles outside the span (packed documents visit only the
-  tiles of their own documents) and run those inside the run unmasked."""
+  tiles of their own documents), read no segment ids for those inside the run,
+  and run those also inside the causal/window band unmasked."""
   if span_ref is None:
     return None, None
   tile = lambda row: span_ref[row, pl.ds(start, size)]

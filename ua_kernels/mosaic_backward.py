@@ -27,7 +27,8 @@ kernels: scores_to_logits and visible_mask (through mosaic_common.tile_logits,
 as in the forward), probabilities, logits_grad (the cap's
 derivative from the registry), matmul_operand (float16's range), and the tile
 ranges q_tiles/kv_tiles (with segment ids, within the spans of the tile's
-documents, and without a mask inside its run of one id).
+documents, and inside its run of one id masked by position only, or not at
+all inside the band too).
 
 Head dims above 128 (up to 256, padded to 256): one warpgroup's dk and dv of
 64 keys (or dq of 64 rows) would need 256 registers per thread, so

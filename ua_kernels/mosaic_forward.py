@@ -16,7 +16,8 @@ shared with the backward kernels), the online softmax is
 SoftmaxState.step, and the key-tile ranges are tile_math.kv_tiles (causal and
 window tiles outside the band, and with segment ids the tiles outside the spans
 of a tile's documents, are never loaded; the fully visible ones run without a
-mask). The memory warpgroup loads the hull of both compute
+mask, and those inside the query tile's run of one segment id are masked by
+position only, without reading the ids). The memory warpgroup loads the hull of both compute
 warpgroups' ranges; a compute warpgroup passes over tiles of that hull that
 are outside its own range ("drain": it waits for and releases the slot, and
 keeps the schedule barrier's count), since a barrier's phase is tracked by
