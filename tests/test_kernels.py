@@ -82,8 +82,10 @@ def test_output_dtypes_and_lse(dtype):
 
 
 def _tile_masks(tiles):
-  """{tile: TileMask} of the tiles a loop over ``tiles`` (tile_math.Tiles) visits."""
+  """{tile: TileMask} of the tiles a loop over ``tiles`` (tile_math.Tiles) visits;
+  its bounds ascend, so that no tile is visited twice."""
   bounds = [int(b) for b in tiles.bounds]
+  assert bounds == sorted(bounds), bounds
   return {i: mask for a, b, mask in zip(bounds, bounds[1:], tiles.masks) for i in range(a, b)}
 
 
@@ -134,6 +136,7 @@ def test_tile_loop_visits_each_tile_once_in_order_with_its_mask(bounds, masks):
   lo, hi, n = bounds[0], bounds[-1], 8
 
   def body(i, carry, mask):
+    assert type(mask) is TileMask  # the kernels compare with `is TileMask.FULL`
     order, seen, count = carry
     return order.at[count].set(i), seen.at[i].set(int(mask)), count + 1
 
@@ -296,8 +299,9 @@ def test_segment_spans_skip_only_tiles_without_a_visible_pair(segments, causal, 
 
 @pytest.mark.parametrize("segments", ["packed", "random", "alternating"])
 @pytest.mark.parametrize("causal, window", [(False, 0), (True, 0), (True, 9), (False, 17)])
-@pytest.mark.parametrize("bq, bkv", [(16, 8), (8, 16)])
-def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, window, bq, bkv):
+@pytest.mark.parametrize("bq, bkv, padded", [(16, 8, False), (8, 16, False), (16, 8, True)])
+def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, window, bq, bkv,
+                                                              padded):
   """With segment ids and their runs (segment_runs: the positions around each
   one holding its id), the tiles the kernels run unmasked hold only visible
   pairs, and every tile pair that lies inside one run and the causal/window
@@ -305,7 +309,9 @@ def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, 
   segment ids read) hold only same-segment pairs, and every visited tile pair
   inside one run is among them. "alternating": ids 0, 1, 0, 1 in runs of 12,
   so that a segment's extent (its span) holds the other's runs, which a span
-  taken for a run would leave unmasked."""
+  taken for a run would leave unmasked. ``padded`` (a sequence padded to a
+  tile multiple) leaves no tile unmasked, and the run's tiles masked by
+  position."""
   from ua_kernels.tile_math import TileMask, kv_tiles, q_tiles
   t = 96
   rng = np.random.default_rng(5)
@@ -339,15 +345,16 @@ def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, 
     block, other = (bq, bkv) if by_query else (bkv, bq)
     for a in range(t // block):
       tiles = (kv_tiles if by_query else q_tiles)(
-          spec, jnp.int32(a * block), bq, bkv, False, span(a * block, block),
+          spec, jnp.int32(a * block), bq, bkv, padded, span(a * block, block),
           uniform(a * block, block))
       bounds = [int(b) for b in tiles.bounds]
       assert bounds == sorted(bounds)
       # A band that can end inside the range on a side adds a sub-range there:
       # a window before a query tile's keys, causality after them.
       cut_lo, cut_hi = (window > 0, causal) if by_query else (causal, window > 0)
-      assert tiles.masks == (TileMask.FULL, *(TileMask.POSITIONS,) * cut_lo, TileMask.NONE,
-                             *(TileMask.POSITIONS,) * cut_hi, TileMask.FULL)
+      assert tiles.masks == ((TileMask.FULL, TileMask.POSITIONS, TileMask.FULL) if padded else
+                             (TileMask.FULL, *(TileMask.POSITIONS,) * cut_lo, TileMask.NONE,
+                              *(TileMask.POSITIONS,) * cut_hi, TileMask.FULL))
       masks = _tile_masks(tiles)
       for c in range(t // other):
         rows = np.arange(a * block, (a + 1) * block)
@@ -358,7 +365,7 @@ def test_tiles_inside_a_run_of_one_segment_run_without_a_mask(segments, causal, 
           continue
         if masks[c] is TileMask.NONE:
           assert mask[np.ix_(rows, cols)].all(), (by_query, a, c)
-        elif band[np.ix_(rows, cols)].all() and in_one_run(rows, cols):
+        elif not padded and band[np.ix_(rows, cols)].all() and in_one_run(rows, cols):
           raise AssertionError(f"tile pair {(a, c)} inside one run and the band is masked")
         if masks[c] is not TileMask.FULL:  # no segment ids read
           assert (seg[rows][:, None] == seg[cols][None, :]).all(), (by_query, a, c)

@@ -7,6 +7,7 @@ and what they accumulate, so every masking or capping rule lives here once.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from typing import NamedTuple
@@ -331,11 +332,12 @@ class TileMask(enum.IntEnum):
   FULL = 2
 
 
-class Tiles(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Tiles:
   """A tile loop's range [lo, hi) as consecutive sub-ranges: tiles
   [bounds[i], bounds[i + 1]) run with masks[i] (TileMask). A sub-range that the
   spec leaves empty for every tile position is not listed: each listed one is
-  a loop body that the kernels compile."""
+  a loop body that the kernels compile. Not a pytree: the masks are static."""
 
   bounds: tuple
   masks: tuple
