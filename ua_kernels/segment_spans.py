@@ -1,6 +1,6 @@
 """Segment spans and runs: where each position's packed document begins and
 ends, so that the kernels visit only the tiles of a tile's own documents, and
-run unmasked the tiles that lie inside one document."""
+read no segment ids for the tiles that lie inside one document (tile_math.TileMask)."""
 
 from __future__ import annotations
 
