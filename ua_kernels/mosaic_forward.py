@@ -17,8 +17,8 @@ SoftmaxState.step, and the key-tile ranges are tile_math.kv_tiles (causal and
 window tiles outside the band, and with segment ids the tiles outside the spans
 of a tile's documents, are never loaded; the fully visible ones run without a
 mask, and those inside the query tile's run of one segment id are masked by
-position only, without reading the ids). The memory warpgroup loads the hull of both compute
-warpgroups' ranges; a compute warpgroup passes over tiles of that hull that
+position only, without reading the ids). The memory warpgroup loads the hull
+of both compute warpgroups' ranges; a compute warpgroup passes over tiles of that hull that
 are outside its own range ("drain": it waits for and releases the slot, and
 keeps the schedule barrier's count), since a barrier's phase is tracked by
 each waiting thread and must not be skipped.
