@@ -165,29 +165,36 @@ def property_tests(profile, oracle_chunks: int | None = None) -> list["PropertyT
   from .capabilities import DTYPES
   from .registry import PROPERTIES
   chunks = max(profile.oracle_chunks, oracle_chunks or 0)
-  first, later, extra = [], [], []
+  later, extra = [], []
+  for prop in PROPERTIES:
+    if prop.oracle and prop.per_dtype:
+      later += [PropertyTest(prop.name, dtype, chunk, chunks)
+                for chunk in range(1, profile.oracle_chunks) for dtype in DTYPES]
+      extra += [PropertyTest(prop.name, dtype, chunk, chunks)
+                for chunk in range(profile.oracle_chunks, chunks) for dtype in DTYPES]
+  return _first_round(chunks) + later + extra
+
+
+def _first_round(chunks: int) -> list["PropertyTest"]:
+  """property_tests' first round (its tests of chunk 0, oracle chunks out of
+  ``chunks``): one test of every property, per dtype where it runs per dtype."""
+  from .capabilities import DTYPES
+  from .registry import PROPERTIES
+  first = []
   for prop in PROPERTIES:
     if not prop.per_dtype:
       first.append(PropertyTest(prop.name))
-      continue
-    if not prop.oracle:
+    elif not prop.oracle:
       first += [PropertyTest(prop.name, dtype) for dtype in DTYPES]
-      continue
-    first += [PropertyTest(prop.name, dtype, 0, chunks) for dtype in DTYPES]
-    later += [PropertyTest(prop.name, dtype, chunk, chunks)
-              for chunk in range(1, profile.oracle_chunks) for dtype in DTYPES]
-    extra += [PropertyTest(prop.name, dtype, chunk, chunks)
-              for chunk in range(profile.oracle_chunks, chunks) for dtype in DTYPES]
-  return first + later + extra
+    else:
+      first += [PropertyTest(prop.name, dtype, 0, chunks) for dtype in DTYPES]
+  return first
 
 
 def first_round_size() -> int:
-  """How many tests of property_tests make its first round (its tests of chunk
-  0): one test of every property, per dtype where a property runs per dtype.
-  The same in every profile."""
-  from .capabilities import DTYPES
-  from .registry import PROPERTIES
-  return sum(len(DTYPES) if prop.per_dtype else 1 for prop in PROPERTIES)
+  """How many tests make property_tests' first round; the same in every
+  profile."""
+  return len(_first_round(1))
 
 
 def time_share(seconds_left: float, workers: int, first_round: int, started_here: int) -> float:
