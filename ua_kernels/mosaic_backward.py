@@ -146,11 +146,10 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   has_seg, has_temp = seg is not None, temp is not None
   # Each kernel reads the spans of its warpgroups' tiles (query tiles for dq,
   # key tiles for dk/dv); one array where both tiles have the same length.
-  spans = {block: (tile_ranges(seg, seq_pad, block) if has_seg
-                   else jnp.zeros((b, seq_pad // block, 4), jnp.int32))
+  spans = {block: tile_ranges(seg, seq_pad, block) if has_seg else None
            for block in {bq_dq, bkv_dkv}}
   spans_dq, spans_dkv = spans[bq_dq], spans[bkv_dkv]
-  seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)
+  seg = pad(seg, {1: seq_pad}) if has_seg else None
   # Per-query rows of each head, [B, Hq, R, T_pad]: the dk/dv kernel's TMA
   # warpgroup copies a query tile's lse, delta (and temperature) at once.
   row_vectors = [lse2, delta] + ([jnp.transpose(temp, (0, 2, 1))] if has_temp else [])
@@ -175,7 +174,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     tile = lax.axis_index("q_tiles")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(group))
-    hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg, has_seg)
+    hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
     cta_lo, cta_hi = program_tiles(kv_tiles(
         spec_padded, tile * 2 * bq, 2 * bq, bkv, padded, hull))
     slot = lambda kb: lax.rem(kb - cta_lo, jnp.int32(stages))
@@ -208,7 +207,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         scores, dp = _scores_pair(plgpu, q_smem, k_smem.at[s].transpose((1, 0)),
                                   do_smem, v_smem.at[s].transpose((1, 0)), (bq, bkv))
         logits = tile_logits(spec, scores, temp_q, q_start, kb * bkv, masked=masked,
-                             seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
+                             seg_ref=seg_ref, batch=bi, padded=padded,
                              fast_cap=fast_cap)
         p = probabilities(logits, lse2_q)
         ds = logits_grad(spec, p, dp, delta_q, logits, temp_q, fast_cap)
@@ -320,7 +319,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     kv_head = lax.div(h, jnp.int32(group))
     q_start = tile * bq
     tiles_ = kv_tiles(spec_padded, q_start, bq, bkv, padded,
-                      *tile_span(spans_ref, bi, tile, has_seg))
+                      *tile_span(spans_ref, bi, tile))
     lo, hi = program_tiles(tiles_)
     tiles_ = own_tiles(tiles_, lo, hi)
     slot = lambda kb: lax.rem(kb - lo, jnp.int32(stages))
@@ -342,7 +341,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         # s = Q K^T and dp = dO V^T
         scores, dp = halves_scores_pair(q_halves, k_smem, do_halves, v_smem, s, (bq, bkv))
         logits = tile_logits(spec, scores, temp_q, q_start, kb * bkv, masked=masked,
-                             seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
+                             seg_ref=seg_ref, batch=bi, padded=padded,
                              fast_cap=fast_cap)
         p = probabilities(logits, lse2_q)
         ds = logits_grad(spec, p, dp, delta_q, logits, temp_q, fast_cap)
@@ -367,7 +366,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     kv_head = lax.axis_index("heads")
     tile = lax.axis_index("kv_tiles")
     wg = lax.axis_index("wg")
-    hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg, has_seg)
+    hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
     cta_lo, cta_hi = program_tiles(q_tiles(
         spec_padded, tile * 2 * bkv, bq, 2 * bkv, padded, hull))
     # The streamed steps: step n is query tile n // group of query head
@@ -407,7 +406,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         lse2_q, delta_q = row(LSE), row(DELTA)
         temp_q = row(TEMP) if has_temp else None
         logits = tile_logits(spec, scores_t, temp_q, q_start, k_start, masked=masked,
-                             seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
+                             seg_ref=seg_ref, batch=bi, padded=padded,
                              fast_cap=fast_cap, query_axis=1)
         p_t = probabilities(logits, lse2_q)
         dv = _accumulate(plgpu, dv, p_t.astype(dtype), do_smem.at[s], None)
@@ -484,7 +483,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
     wg = lax.axis_index("wg")
     k_start = tile * bkv
     tiles_ = q_tiles(spec_padded, k_start, bq, bkv, padded,
-                     *tile_span(spans_ref, bi, tile, has_seg))
+                     *tile_span(spans_ref, bi, tile))
     lo, hi = program_tiles(tiles_)
     tiles_ = own_tiles(tiles_, lo, hi)
     first, last = lo * group, hi * group
@@ -511,7 +510,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         lse2_q, delta_q = row(LSE), row(DELTA)
         temp_q = row(TEMP) if has_temp else None
         logits = tile_logits(spec, scores_t, temp_q, q_start, k_start, masked=masked,
-                             seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
+                             seg_ref=seg_ref, batch=bi, padded=padded,
                              fast_cap=fast_cap, query_axis=1)
         p_t = probabilities(logits, lse2_q)
         dv = _accumulate(plgpu, dv, p_t.astype(dtype), do_smem.at[s, :, column_half(part)],
@@ -534,10 +533,12 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
         q_loaded, do_loaded, rows_loaded, q_free))
 
   def _warp_specialized(body, *, out_type, scratch_types, grid, grid_names, kernel_name):
-    """plgpu.kernel of a body whose warpgroups 0 and 1 compute and 2 copies."""
-    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=grid,
-                        grid_names=grid_names, num_threads=3, thread_name="wg",
-                        compiler_params=params, kernel_name=kernel_name)
+    """The kernel (mosaic_common.kernel_call) of a body whose warpgroups 0 and 1
+    compute and 2 copies."""
+    return mosaic_common.kernel_call(body, out_type=out_type, scratch_types=scratch_types,
+                                     grid=grid, grid_names=grid_names, num_threads=3,
+                                     thread_name="wg", compiler_params=params,
+                                     kernel_name=kernel_name)
 
   dq_call = _warp_specialized(
       dq_kernel,

@@ -72,7 +72,7 @@ def tile_logits(spec: StaticSpec, scores, temp, q_start, k_start, *, masked: Til
   return scores_to_logits(spec, scores, temp, mask, fast_cap, query_axis=query_axis)
 
 
-def program_spans(ranges_ref, batch, program, warpgroup, has_segments: bool):
+def program_spans(ranges_ref, batch, program, warpgroup):
   """(hull, span, uniform) of a program whose two compute warpgroups own tiles
   2 * program and 2 * program + 1 of ``ranges_ref`` (segment_spans.tile_ranges,
   computed outside the kernels: a vector reduced to a scalar inside a Mosaic
@@ -81,12 +81,12 @@ def program_spans(ranges_ref, batch, program, warpgroup, has_segments: bool):
   spans, for the program's tile range; ``span`` and ``uniform`` are those of
   ``warpgroup``'s own tile (the second's for the memory warpgroup, which uses
   only the hull), for tile_math's ``span`` and ``uniform``. Each a pair of
-  scalars; (None, None, None) without segment ids.
+  scalars; (None, None, None) without segment ids (``ranges_ref`` None).
 
   All eight scalars are read here, at the program's start, at once: read in
   two groups, the second after the query ids, the H200 forward ran 11% slower
   than without segment ids (docs/BENCHMARKS.md)."""
-  if not has_segments:
+  if ranges_ref is None:
     return None, None, None
   first, second = ([ranges_ref[batch, 2 * program + w, j] for j in range(4)] for w in (0, 1))
   hull = jnp.minimum(first[0], second[0]), jnp.maximum(first[1], second[1])
@@ -94,14 +94,35 @@ def program_spans(ranges_ref, batch, program, warpgroup, has_segments: bool):
   return hull, (own[0], own[1]), (own[2], own[3])
 
 
-def tile_span(ranges_ref, batch, tile, has_segments: bool):
+def tile_span(ranges_ref, batch, tile):
   """(span, uniform) of tile ``tile`` of segment_spans.tile_ranges'
   ``ranges_ref``, for a program that owns one tile (see program_spans);
-  (None, None) without segment ids."""
-  if not has_segments:
+  (None, None) without segment ids (``ranges_ref`` None)."""
+  if ranges_ref is None:
     return None, None
   return ((ranges_ref[batch, tile, 0], ranges_ref[batch, tile, 1]),
           (ranges_ref[batch, tile, 2], ranges_ref[batch, tile, 3]))
+
+
+def kernel_call(body, **kernel_args):
+  """plgpu.kernel(body, **kernel_args) as a function of operands of which
+  some may be None (no segment ids, no temperature): those are left out of
+  the kernel's call, and ``body`` receives None in their refs' places. An
+  absent input passed as zeros would be a broadcast XLA materialises before
+  every call: three of them took 6.6 µs of a 185 µs causal forward on the
+  H200 (docs/BENCHMARKS.md)."""
+  def call(*operands):
+    absent = [i for i, x in enumerate(operands) if x is None]
+
+    def with_nones(*refs):
+      refs = list(refs)
+      for i in absent:
+        refs.insert(i, None)
+      body(*refs)
+
+    return plgpu().kernel(with_nones, **kernel_args)(*(x for x in operands if x is not None))
+
+  return call
 
 
 def own_tiles(tiles: Tiles, program_lo, program_hi) -> Tiles:

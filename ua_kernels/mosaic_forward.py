@@ -78,11 +78,9 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
 
   q, k, v = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
   has_seg, has_temp = seg is not None, temp is not None
-  spans = (tile_ranges(seg, seq_pad, block_q) if has_seg
-           else jnp.zeros((b, seq_pad // block_q, 4), jnp.int32))
-  seg = pad(seg, {1: seq_pad}) if has_seg else jnp.zeros((b, seq_pad), jnp.int32)
-  temp = (pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad}) if has_temp
-          else jnp.zeros((b, hq, seq_pad), jnp.float32))
+  spans = tile_ranges(seg, seq_pad, block_q) if has_seg else None
+  seg = pad(seg, {1: seq_pad}) if has_seg else None
+  temp = pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad}) if has_temp else None
   shift = fixed_shift(spec, dtype, has_temp)
   # kv_tiles/kv_block_range count tiles over the padded length; masks use
   # spec's own seq_len (visible_mask's padded flag hides the padding).
@@ -97,7 +95,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
     tile = lax.axis_index("q_tiles")
     wg = lax.axis_index("wg")
     kv_head = lax.div(h, jnp.int32(group))
-    hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg, has_seg)
+    hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
     cta_lo, cta_hi = program_tiles(kv_tiles(
         spec_padded, tile * rows, rows, block_kv, padded, hull))
 
@@ -141,7 +139,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
         scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[s])
         logits = tile_logits(spec, scores, q_temp, q_start, kb * block_kv, masked=masked,
-                             seg_ref=seg_ref if has_seg else None, batch=bi, padded=padded,
+                             seg_ref=seg_ref, batch=bi, padded=padded,
                              fast_cap=fast_cap)
         m, l, correction, p = state.step(logits, shift)
         acc = state.rescaled_acc(correction)
@@ -223,7 +221,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
   ]
   params = plgpu.CompilerParams(approx_math=mosaic_common.approx_math(spec, fast_cap),
                                 lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-  call = plgpu.kernel(
+  call = mosaic_common.kernel_call(
       kernel,
       out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((b, hq, seq_pad), jnp.float32)),
