@@ -152,7 +152,14 @@ def test_tiles_too_large_for_the_halves_kernels_run_the_backward_on_triton():
   def loss(q, k, v):
     return ua_kernels.attention(q, k, v, config=config).astype(jnp.float32).sum()
 
-  text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), args, extra)
+  spec = _spec(d=256)
+  assert backward_backend(spec, config, jnp.bfloat16) == "triton"
+  try:
+    text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), args, extra)
+  except RuntimeError as error:
+    if "No supported GPU devices" not in str(error):
+      raise
+    pytest.skip("from jax 0.11 the Triton kernels lower for CUDA only on a GPU machine")
   assert "ua_forward_mosaic" in text and "ua_backward_dq" in text
   assert "_halves_mosaic" not in text
 
