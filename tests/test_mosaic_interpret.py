@@ -28,7 +28,8 @@ from jax._src.pallas import core as pallas_core  # noqa: E402
 from jax._src.state import types as state_types  # noqa: E402
 
 from test_mosaic import SHAPE_CLASSES, _gpu_inputs  # noqa: E402
-from ua_kernels import KernelConfig, MosaicTiles, mosaic_backward, mosaic_forward  # noqa: E402
+from ua_kernels import (KernelConfig, MosaicTiles, mosaic_backward, mosaic_common,  # noqa: E402
+                        mosaic_forward)
 
 attention_module = sys.modules["ua_kernels.attention"]
 
@@ -103,6 +104,20 @@ def test_mosaic_kernels_match_triton_in_the_interpreters(shape_class, interprete
 @pytest.mark.parametrize("tiles", OTHER_TILINGS, ids=["stages3-kv64", "q128"])
 @pytest.mark.parametrize("shape_class", TILED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
 def test_other_tilings_match_triton_in_the_interpreters(shape_class, tiles, interpreter_gaps):
+  _compare(shape_class, tiles)
+
+
+def test_a_program_of_padding_keys_matches_triton(interpreter_gaps):
+  """Causal packed documents with 128-row dq tiles: the padded length leaves
+  the last dk/dv program only padding keys, whose empty span gives it no
+  query tiles, and warpgroups of padding keys beside real ones, which drain
+  all of their program's tiles."""
+  shape_class, tiles = SHAPE_CLASSES[10], MosaicTiles(block_q_dq=128)
+  assert shape_class[-1] == dict(segment_ids=True, causal=True)
+  t = shape_class[1]
+  seq_pad = mosaic_common.padded_length(t, 2 * tiles.block_q_dq, tiles.block_kv_dq,
+                                        tiles.block_q_dkv, 2 * tiles.block_kv_dkv)
+  assert seq_pad - t >= 2 * tiles.block_kv_dkv
   _compare(shape_class, tiles)
 
 
