@@ -29,24 +29,21 @@ def _runs(seg):
 
 
 def _extents(seg):
-  """Per position, [first, last + 1) of the positions whose id is congruent
-  to its own mod T, by a scatter into a table of T entries: the extent of
-  its id for ids in [0, T) (document numbers, the usual packing) or ids
-  distinct mod T, and otherwise the hull of the ids sharing an entry, a
-  larger span, which skips fewer tiles (they are visited and masked). No
-  sort: a sort of the ids costs more than the kernels save on short
-  sequences; and no check that the ids lie in [0, T): a reduction of its own,
-  one more XLA kernel before the scatter (2.3 µs of the H200's 18 µs of
-  preparation, docs/BENCHMARKS.md)."""
+  """Per position, [first, last + 1) of the positions holding its id, by a
+  scatter into a table indexed by id, for rows whose ids all lie in [0, T)
+  (document numbers, the usual packing); a row with other ids gets [0, T), a
+  span that skips nothing (its tiles are visited and masked). No sort: a sort
+  of the ids costs more than the kernels save on short sequences."""
   b, t = seg.shape
   index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  ids = jnp.remainder(seg, jnp.int32(t))  # in [0, T), also for negative ids
+  in_table = jnp.all((seg >= 0) & (seg < t), axis=1, keepdims=True)
+  ids = jnp.where(in_table, seg, 0)
   # One scatter for both ends: the minimum of (i, -i) per id is (first, -last).
   both = jnp.stack([index, -index], axis=-1)
   ends = jax.vmap(lambda x, g: jax.ops.segment_min(x, g, num_segments=t))(both, ids)
   lo = jnp.take_along_axis(ends[..., 0], ids, axis=1)
   hi = 1 - jnp.take_along_axis(ends[..., 1], ids, axis=1)
-  return lo, hi
+  return jnp.where(in_table, lo, 0), jnp.where(in_table, hi, t)
 
 
 def _monotone(seg):
