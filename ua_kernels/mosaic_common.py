@@ -1,9 +1,10 @@
-"""What the Mosaic GPU forward and backward kernels share: the module import,
-version differences of its API, and the padded layout."""
+"""What the Mosaic GPU forward and backward kernels share: tile logits and
+masks, tile ranges, the kernel call, and the padded layout. The Mosaic GPU
+module and the calls whose API differs across jax releases come from
+pallas_compat."""
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
 
+from .pallas_compat import load_vector, plgpu
 from .tile_math import TileMask, Tiles, scores_to_logits, visible_mask
 
 # bfloat16 and float16: wgmma's 16-bit operands (float32 stays on Triton).
@@ -22,23 +24,6 @@ HEAD_DIM_MULTIPLE = 64
 MAX_SHARED_MEMORY = 232448
 # Bytes of one mbarrier in shared memory.
 BARRIER_BYTES = 8
-
-
-def plgpu():
-  """jax.experimental.pallas.mosaic_gpu, imported when first used: Mosaic GPU's
-  Python modules load MLIR bindings (and, under jax 0.10, absl), which nothing
-  else of the package needs."""
-  from jax.experimental.pallas import mosaic_gpu
-  return mosaic_gpu
-
-
-def load_vector(ref, layout):
-  """plgpu.load of a whole 1-D ref: jax 0.10 requires the index argument,
-  0.11 deprecates it."""
-  mgpu = plgpu()
-  if inspect.signature(mgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-    return mgpu.load(ref, (), layout=layout, optimized=False)
-  return mgpu.load(ref, layout=layout, optimized=False)
 
 
 def position_tiles(shape, q_start, k_start, query_axis: int):
