@@ -14,6 +14,9 @@ and what replaced it:
   (fast_math.log2 takes ``log(x) * log2(e)`` on that backend on every release,
   one rounding more, so that the kernels' numerics do not depend on the jax
   release).
+- The Pallas-Triton backend: 0.12 deprecates it (a DeprecationWarning when a
+  kernel lowers) and still lowers and runs it, unchanged; float32 and GPUs
+  other than Hopper depend on it (ua_kernels.attention's dispatch).
 - Mosaic GPU's interpreter (``plgpu.InterpretGPUParams``) exists from 0.11 on:
   tests/test_mosaic_interpret.py skips without it.
 
