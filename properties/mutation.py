@@ -162,6 +162,11 @@ MUTANTS = [
            "float16 ds cast without the power-of-two scale (overflows past 65504)"),
     Mutant("M19", SOFTMAX_STATE, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
            "no guard for rows whose keys in a tile are all hidden (NaN)"),
+    # --- defects small in max-abs error (docs/TOLERANCES.md, "Exact mask") ---
+    Mutant("S1", TILE_MATH, "conditions.append(k_pos <= q_pos)",
+           "conditions.append(k_pos.astype(jnp.bfloat16) <= q_pos.astype(jnp.bfloat16))",
+           "causal positions compared in bfloat16 (exact up to 256): beyond T = 256 a query "
+           "sees up to T/256 - 1 future keys, each of weight about 1/T"),
 ]
 
 # The black-box suite (what runs against any --impl): saved regressions first,

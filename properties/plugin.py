@@ -275,6 +275,8 @@ class Suite:
     buckets = self.profile.buckets
     if test.dtype is not None:
       buckets = dataclasses.replace(buckets, dtypes=(test.dtype,))
+    if prop.long and buckets.long_seq_lens:
+      buckets = dataclasses.replace(buckets, seq_lens=buckets.long_seq_lens, edge_multiples=())
     strategy = cases(buckets, impl, prop.require, prop.forbid, prop.any_of).filter(prop.applies)
     verifier = Verifier(impl, self.config.getoption("ua_failures"), self.imports,
                         record=lambda r: node.user_properties.append((_RECORD, r)),

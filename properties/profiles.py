@@ -30,6 +30,9 @@ class Buckets:
   max_seq_len: int = 1 << 14
   dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
   long_seq: int = 1 << 30                 # from this T on: B=1, at most 2 kv heads
+  # What the properties drawn on long sequences (registry's Property.long) draw
+  # from instead of seq_lens and the tile edges.
+  long_seq_lens: tuple[int, ...] = ()
 
 
 _SMALL_TILES = ((16, 16), (32, 16), (16, 32))
@@ -40,12 +43,13 @@ BUCKETS = {
                   head_dims=(16, 24, 32, 40, 64),
                   heads=((1, 1), (2, 2), (2, 1), (4, 2), (4, 1), (8, 1), (8, 4)),
                   batches=(1, 2), tiles=_SMALL_TILES * 2 + (None, (16, 16)),
-                  max_seq_len=400, long_seq=129),
+                  max_seq_len=400, long_seq=129, long_seq_lens=(257, 300, 1025, 1100)),
     "dev": Buckets(seq_lens=(1, 3, 16, 31, 33, 64, 65, 127, 128, 129, 211, 256),
                    head_dims=(16, 24, 32, 48, 64, 80, 128),
                    heads=((1, 1), (3, 3), (2, 1), (4, 2), (4, 1), (8, 2), (8, 1)),
                    batches=(1, 2, 3), tiles=_SMALL_TILES + ((64, 64), None),
-                   edge_multiples=(1, 2, 3, 4), max_seq_len=600, long_seq=300),
+                   edge_multiples=(1, 2, 3, 4), max_seq_len=600, long_seq=300,
+                   long_seq_lens=(257, 383, 513, 1025, 1500, 2049)),
     # The compiled kernels' own tiles, T up to 16k; GQA up to 8 with long T
     # (a short non-causal window then gives rows of every length at once).
     # Realistic values first: no shrinking here, and each campaign test starts
@@ -55,7 +59,8 @@ BUCKETS = {
     "gpu": Buckets(seq_lens=(1000, 1, 17, 128, 255, 513, 1024, 2047, 2048, 4097, 8191, 16384),
                    head_dims=(128, 16, 64, 64, 80, 128, 192, 256),
                    heads=((8, 2), (1, 1), (4, 4), (4, 1), (8, 1), (16, 4), (16, 2)),
-                   batches=(1, 2), tiles=(None,), edge_multiples=(1, 2, 3, 8), long_seq=4097),
+                   batches=(1, 2), tiles=(None,), edge_multiples=(1, 2, 3, 8), long_seq=4097,
+                   long_seq_lens=(4097, 2047, 8191, 16384, 1000, 3000)),
 }
 BUCKETS["fuzz"] = BUCKETS["dev"]
 

@@ -54,10 +54,16 @@ def _visible(i, j, seg_i, seg_j, causal, window_len):
   return mask
 
 
-def visible_keys(seq_len, segment_ids, causal, window_len):
-  """Boolean [B or 1, T, T] mask: key j is visible to query i."""
+def visible_keys(seq_len, segment_ids, causal, window_len, queries=None, keys=None):
+  """Boolean [B or 1, Q, K] mask: key j is visible to query i, for the query
+  and key positions ``queries`` and ``keys`` (default all T; slices keep the
+  mask of a long sequence small)."""
   pos = jnp.arange(seq_len)
-  return _visible(pos, pos, segment_ids, segment_ids, causal, window_len)
+  q_pos = pos if queries is None else jnp.asarray(queries)
+  k_pos = pos if keys is None else jnp.asarray(keys)
+  seg = None if segment_ids is None else jnp.asarray(segment_ids)
+  return _visible(q_pos, k_pos, None if seg is None else seg[:, q_pos],
+                  None if seg is None else seg[:, k_pos], causal, window_len)
 
 
 def _query_rows(spec: StaticSpec, q, k, v, pos, seg_q, seg_k, temp):
