@@ -86,7 +86,9 @@ def halves_shared_memory(tiles: MosaicTiles, itemsize: int) -> int:
   dkv_halves_kernel with ``tiles``, as their scratch below declares it
   (head dim 2 * HALVES_ABOVE, three per-query rows, 8-byte barriers). Tiles
   that pass MosaicTiles' validation can exceed a block's shared memory here
-  (128-row tiles, three stages), which the dispatch sends to Triton."""
+  (128-row tiles, three stages), which the dispatch sends to Triton.
+  ``tiles`` filled (tuned_configs.effective_config)."""
+  tiles.require_filled("mosaic_backward.halves_shared_memory")
   head_dim, stages = 2 * HALVES_ABOVE, tiles.stages_bwd
   bkv_halves = min(tiles.block_kv_dq, 64)
   dq = (2 * 2 * tiles.block_q_dq * (head_dim // 2) * itemsize
@@ -125,7 +127,9 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   base-2 lse, ``delta`` [B, Hq, T] = rowsum(dO * O) - dlse - w * lse (0 on rows
   without a visible key), ``temp`` [B, T, Hq] float32 or None. ``kernels``
   runs only some of the two (the others' outputs are None), so that
-  benchmarks.breakdown times each on its own."""
+  benchmarks.breakdown times each on its own. ``tiles`` filled
+  (tuned_configs.effective_config)."""
+  tiles.require_filled("mosaic_backward.backward")
   plgpu = mosaic_common.plgpu()
   b, t, hq, d = q.shape
   hkv = k.shape[2]

@@ -62,14 +62,16 @@ def unsupported(spec: StaticSpec, dtype) -> str | None:
 
 def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_cap: bool):
   """(out [B, T, Hq, D], lse2 [B, Hq, T] base 2) of the unpadded inputs;
-  ``seg`` [B, T] int32 or None; ``temp`` [B, T, Hq] float32 or None."""
+  ``seg`` [B, T] int32 or None; ``temp`` [B, T, Hq] float32 or None;
+  ``tiles`` filled (tuned_configs.effective_config)."""
+  tiles.require_filled("mosaic_forward.forward")
   plgpu = mosaic_common.plgpu()
   b, t, hq, d = q.shape
   group = spec.group_size
   dtype = q.dtype
   block_q = tiles.block_q
   head_dim = mosaic_common.padded_head_dim(d)
-  block_kv = tiles.key_block(head_dim)
+  block_kv = tiles.block_kv
   rows = 2 * block_q
   seq_pad = mosaic_common.padded_length(t, rows, block_kv)
   padded = seq_pad != t
