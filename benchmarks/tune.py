@@ -19,6 +19,7 @@ import numpy as np
 
 import ua_kernels
 from ua_kernels import KernelConfig, MosaicTiles, mosaic_backward
+from ua_kernels.tuned_configs import effective_config
 from ua_reference.contract import validate
 from benchmarks.bench import _fwd_bwd, provenance, time_interleaved
 
@@ -80,6 +81,10 @@ def main():
     else:
       fwd_cfgs = {_label(c): KernelConfig(block_q=c[0], block_kv=c[1], num_warps=c[2],
                                           num_stages=c[3]) for c in FWD}
+    # Fields a candidate leaves unset are the tuned table's; filled here so that
+    # the rows record every value that ran.
+    spec = validate(q, k, v, **kw)[0]
+    fwd_cfgs = {n: effective_config(spec, q.dtype, c) for n, c in fwd_cfgs.items()}
     best, best_ms = _report_best(f"{name} fwd", time_interleaved(
         {n: jax.jit(attention_with(c)) for n, c in fwd_cfgs.items()}, (q, k, v), args.repeats))
     row = {"head_dim": d, "causal": causal, "cap": cap, "fwd_ms": best_ms,
@@ -93,7 +98,7 @@ def main():
         # Above head dim 128 some tiles do not fit the halves kernels (the
         # dispatch runs those on Triton) and key tiles over 64 are the same
         # kernel as 64: time only what runs on Mosaic, once.
-        spec, effective = validate(q, k, v)[0], {}
+        effective = {}
         for n, c in bwd_cfgs.items():
           if mosaic_backward.unsupported(spec, q.dtype, c.mosaic) is None:
             key = (dataclasses.replace(c.mosaic, block_kv_dq=min(c.mosaic.block_kv_dq, 64))

@@ -20,6 +20,7 @@ import ua_kernels
 from ua_kernels import KernelConfig, MosaicTiles
 from ua_kernels import mosaic_backward
 from ua_kernels.attention import _is_hopper, backward_backend, forward_backend
+from ua_kernels.tuned_configs import effective_config
 from ua_reference.contract import validate
 
 MOSAIC = KernelConfig(backend="mosaic")
@@ -124,6 +125,8 @@ def test_halves_shared_memory_estimate_matches_lowering(tiles):
   the tiles it rejects overflow there, the ones it accepts lower."""
   b, t, h, d = 1, 256, 2, 256
   spec = _spec(d=d)
+  config = KernelConfig(backend="mosaic", mosaic=tiles)
+  tiles = effective_config(spec, jnp.bfloat16, config).mosaic
   x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
   rows = jax.ShapeDtypeStruct((b, h, t), jnp.float32)
 
@@ -133,7 +136,6 @@ def test_halves_shared_memory_estimate_matches_lowering(tiles):
 
   fits = mosaic_backward.unsupported(spec, jnp.bfloat16, tiles) is None
   assert fits == (mosaic_backward.halves_shared_memory(tiles, 2) <= 232448)
-  config = KernelConfig(backend="mosaic", mosaic=tiles)
   assert backward_backend(spec, config, jnp.bfloat16) == ("mosaic" if fits else "triton")
   lower = lambda: _lowered_text(gradients, (x, x, x, rows, rows, x), {})
   if fits:
@@ -205,7 +207,7 @@ def test_forcing_mosaic_in_the_interpreter_is_an_error():
 @pytest.mark.parametrize("field, value", [("block_q", 32), ("block_q", 256), ("block_kv", 96),
                                           ("stages", 1), ("block_kv", True), ("stages_bwd", 1),
                                           ("block_q_dq", 32), ("block_kv_dkv", 256),
-                                          ("block_kv_dq", 256), ("block_q_dkv", None),
+                                          ("block_kv_dq", 256), ("block_q_dkv", "64"),
                                           ("block_q", 64.0)])
 def test_mosaic_tiles_are_validated(field, value):
   with pytest.raises(ValueError, match=f"MosaicTiles.{field}"):

@@ -30,6 +30,7 @@ from jax._src.state import types as state_types  # noqa: E402
 from test_mosaic import SHAPE_CLASSES, _gpu_inputs  # noqa: E402
 from ua_kernels import (KernelConfig, MosaicTiles, mosaic_backward, mosaic_common,  # noqa: E402
                         mosaic_forward)
+from ua_kernels.tuned_configs import effective_config  # noqa: E402
 
 attention_module = sys.modules["ua_kernels.attention"]
 
@@ -114,7 +115,10 @@ def test_a_program_of_padding_keys_matches_triton(interpreter_gaps):
   all of their program's tiles."""
   shape_class, tiles = SHAPE_CLASSES[10], MosaicTiles(block_q_dq=128)
   assert shape_class[-1] == dict(segment_ids=True, causal=True)
-  t = shape_class[1]
+  b, t, hq, hkv, d, dtype, _ = shape_class
+  x = jnp.zeros((b, t, hq, d), dtype)
+  spec = validate(x, x, x, causal=True)[0]
+  tiles = effective_config(spec, dtype, KernelConfig(mosaic=tiles)).mosaic
   seq_pad = mosaic_common.padded_length(t, 2 * tiles.block_q_dq, tiles.block_kv_dq,
                                         tiles.block_q_dkv, 2 * tiles.block_kv_dkv)
   assert seq_pad - t >= 2 * tiles.block_kv_dkv
@@ -125,7 +129,8 @@ def _compare(shape_class, tiles):
   (q, k, v), inputs, options = _gpu_inputs(shape_class)
   spec, seg, temp = validate(q, k, v, **options, **inputs)
   temp = None if temp is None else temp.astype(jnp.float32)
-  triton = KernelConfig(backend="triton", interpret=True)
+  triton = effective_config(spec, q.dtype, KernelConfig(backend="triton", interpret=True))
+  tiles = effective_config(spec, q.dtype, KernelConfig(mosaic=tiles)).mosaic
   fast_cap = attention_module._fast_cap(spec, q.dtype)
   out, lse2, lse2_low = attention_module._forward(spec, triton, q, k, v, seg, temp,
                                                   with_low=True)

@@ -23,7 +23,7 @@ from .kernel_config import KernelConfig
 from .padding import pad as _pad
 from .segment_spans import segment_ranges
 from .tile_math import LN2
-from .tuned_configs import default_config
+from .tuned_configs import effective_config
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -80,11 +80,10 @@ def _interpret(config: KernelConfig) -> bool:
   return jax.default_backend() != "gpu"
 
 
-def _compiler_params(config: KernelConfig, head_dim: int, backward: bool = False):
+def _compiler_params(config: KernelConfig, backward: bool = False):
   warps = config.num_warps_bwd if backward else config.num_warps
   stages = config.num_stages_bwd if backward else config.num_stages
-  return pltriton.CompilerParams(num_warps=warps or (4 if head_dim <= 64 else 8),
-                                 num_stages=stages)
+  return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
 def _pallas_call(config: KernelConfig, inputs, kernel, **kwargs):
@@ -169,7 +168,8 @@ def _keeps_lse2_low(dtype) -> bool:
 def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
              with_low: bool = False):
   """(out, lse2, lse2_low): lse2_low is None unless ``with_low`` (for a
-  backward) and _keeps_lse2_low."""
+  backward) and _keeps_lse2_low. ``config`` is effective (effective_config)."""
+  config.require_filled("ua_kernels.attention's forward")
   if forward_backend(spec, config, q.dtype) == "mosaic":
     return (*mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp,
                                     fast_cap=_fast_cap(spec, q.dtype)), None)
@@ -190,7 +190,7 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
                 None if temp is None else row],
       out_specs=[tile, row] + [row] * keep_low,
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), rows] + [rows] * keep_low,
-      compiler_params=_compiler_params(config, head_dim),
+      compiler_params=_compiler_params(config),
       name="ua_forward",
   )
   return out[:, :t, :, :d], lse2[:, :, :t], low[0][:, :, :t] if low else None
@@ -199,7 +199,9 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
 def backward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
   """"mosaic" or "triton": the kernels of the backward, the forward's backend
   where its backward supports the call (the Mosaic one: head dims up to 256,
-  above 128 with tiles whose shared memory fits; mosaic_backward.unsupported)."""
+  above 128 with tiles whose shared memory fits; mosaic_backward.unsupported).
+  ``config`` as given or effective: its unset tiles are the table's here too."""
+  config = effective_config(spec, dtype, config)
   if (forward_backend(spec, config, dtype) == "mosaic"
       and mosaic_backward.unsupported(spec, dtype, config.mosaic) is None):
     return "mosaic"
@@ -223,7 +225,9 @@ def _delta(spec: StaticSpec, out, dout, lse2, dlse):
 
 def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, lse2,
               lse2_low, dout, dlse):
-  """(dq, dk, dv); ``lse2_low`` as _forward returns it (None: not kept)."""
+  """(dq, dk, dv); ``lse2_low`` as _forward returns it (None: not kept);
+  ``config`` is effective (effective_config)."""
+  config.require_filled("ua_kernels.attention's backward")
   delta = _delta(spec, out, dout, lse2, dlse)
   if backward_backend(spec, config, q.dtype) == "mosaic":
     return mosaic_backward.backward(spec, config.mosaic, q, k, v, seg, temp, lse2, delta, dout,
@@ -240,7 +244,7 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
   padded = seq_pad != t
   fast_cap = _fast_cap(spec, q.dtype)
   segment_specs = _segment_specs(seg, seq_pad)
-  params = dict(compiler_params=_compiler_params(config, head_dim, backward=True))
+  params = dict(compiler_params=_compiler_params(config, backward=True))
   inputs = (q, k, v, seg, spans, temp, dout, lse2, lse2_low, delta)
   has_low = lse2_low is not None
 
@@ -314,10 +318,9 @@ def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
                     f"and float16, got {q.dtype}")
   if temperature is not None:
     temperature = temperature.astype(jnp.float32)
-  if config is None:
-    config = default_config(spec, q.dtype)
-  elif not isinstance(config, KernelConfig):
-    raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
+  # Unset fields take the tuned table's values before jit: the effective
+  # config keys the compilation, whichever backend the call forces.
+  config = effective_config(spec, q.dtype, config)
   out, lse = _jitted_attention(spec, config, q, k, v, segment_ids, temperature)
   return (out, lse) if return_lse else out
 
@@ -325,7 +328,8 @@ def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
 def _config_for_tiles(block_q: int, block_kv: int) -> KernelConfig:
   """The suite's tile pair (docs/PLUGINS.md, ``ua_config``) as a KernelConfig: the
   forward and dk/dv kernels take (block_q, block_kv), the dq kernel the pair
-  swapped, so that one drawn pair exercises unequal tiles both ways."""
+  swapped, so that one drawn pair exercises unequal tiles both ways; warps,
+  stages and the Mosaic tiles stay the tuned table's."""
   return KernelConfig(block_q, block_kv, block_kv, block_q, block_q, block_kv)
 
 

@@ -15,14 +15,14 @@ import jax.numpy as jnp
 from . import cap_forms, mosaic_common, mosaic_forward
 from .attention import SUPPORTED_DTYPES, _config_for_tiles, attention
 from .kernel_config import KernelConfig
-from .tuned_configs import default_config
-from ua_reference.contract import validate
 
 
 def _forced(backend: str, q, k, v, config, kwargs):
+  """``config`` (None: every field unset) with its backend replaced;
+  ua_kernels.attention fills its unset fields from the tuned table
+  (tuned_configs.effective_config), as for any config."""
   if config is None:
-    spec, _, _ = validate(q, k, v, **kwargs)
-    config = default_config(spec, q.dtype)
+    config = KernelConfig()
   elif not isinstance(config, KernelConfig):
     raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
   return attention(q, k, v, config=dataclasses.replace(config, backend=backend), **kwargs)
@@ -42,8 +42,9 @@ def triton_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
 
 mosaic_attention.ua_dtypes = tuple(jnp.dtype(d).name for d in mosaic_common.DTYPES)
 mosaic_attention.ua_head_dims = lambda d: d <= mosaic_forward.MAX_HEAD_DIM
-# A forward program's 2 x 64 query rows, key tiles of 128 (64 at head dims
-# over 128); the backward's tiles of 64 (dq's key tiles 128).
+# The tuned tiles (tuned_configs.mosaic_tiles): a forward program's 2 x 64
+# query rows, key tiles of 128 (64 at head dims over 128); the backward's tiles
+# of 64 (dq's key tiles 128).
 mosaic_attention.ua_block_sizes = (64, 128)
 mosaic_attention.ua_cap_forms = cap_forms.fast_forms
 

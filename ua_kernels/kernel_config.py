@@ -1,4 +1,11 @@
-"""Tile sizes and launch parameters of the three kernels."""
+"""Tile sizes and launch parameters of the kernels.
+
+Every tile and launch field defaults to None, "the tuned table's value": the
+backend is chosen apart from the tiles, so forcing one (``backend="triton"``)
+or setting a few fields keeps the tuned tiles of everything else. A call's
+effective config, every None filled for its shape, dtype and backend, comes
+from ua_kernels.tuned_configs.effective_config (KernelConfig.filled below).
+"""
 
 from __future__ import annotations
 
@@ -8,75 +15,100 @@ _WARPS = (1, 2, 4, 8, 16)
 BACKENDS = ("auto", "triton", "mosaic")
 
 
+def _unset(config) -> tuple[str, ...]:
+  return tuple(f.name for f in dataclasses.fields(config) if getattr(config, f.name) is None
+               and f.name != "interpret")
+
+
+def _require_filled(config, where: str):
+  """Kernels and launch code take effective configs only: an unset field there
+  is a caller that skipped tuned_configs.effective_config, not a tuning choice,
+  and would otherwise fail as arithmetic on None deep in a trace."""
+  if unset := config.unset():
+    raise ValueError(f"{where} needs a filled {type(config).__name__} "
+                     f"(ua_kernels.tuned_configs.effective_config); unset: {', '.join(unset)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
   """Tiles of the Mosaic GPU kernels, whose programs each have two compute
-  warpgroups. Forward: ``block_q`` query rows per compute warpgroup (a program
-  owns two such blocks); ``block_kv`` keys per streamed tile (None: 128 up to
-  head dim 128, else 64, what fits two stages of K and V in shared memory at
-  head dim 256); ``stages``: slots of the K/V ring. Backward: the dq kernel
-  owns ``block_q_dq`` query rows per warpgroup and streams ``block_kv_dq``
-  keys; the dk/dv kernel owns ``block_kv_dkv`` keys per warpgroup and streams
+  warpgroups; None (every field's default) takes the tuned table's value
+  (tuned_configs.mosaic_tiles). Forward: ``block_q`` query rows per compute
+  warpgroup (a program owns two such blocks); ``block_kv`` keys per streamed
+  tile; ``stages``: slots of the K/V ring. Backward: the dq kernel owns
+  ``block_q_dq`` query rows per warpgroup and streams ``block_kv_dq`` keys;
+  the dk/dv kernel owns ``block_kv_dkv`` keys per warpgroup and streams
   ``block_q_dkv`` queries; both with rings of ``stages_bwd`` slots. Above head
   dim 128 the dq kernel streams at most 64 keys, and backward tiles whose
   shared memory does not fit run the backward on Triton
   (mosaic_backward.halves_shared_memory)."""
 
-  block_q: int = 64
+  block_q: int | None = None
   block_kv: int | None = None
-  stages: int = 2
-  block_q_dq: int = 64
-  block_kv_dq: int = 128
-  block_q_dkv: int = 64
-  block_kv_dkv: int = 64
-  stages_bwd: int = 2
+  stages: int | None = None
+  block_q_dq: int | None = None
+  block_kv_dq: int | None = None
+  block_q_dkv: int | None = None
+  block_kv_dkv: int | None = None
+  stages_bwd: int | None = None
 
   def __post_init__(self):
-    for name, allowed in (("block_q", (64, 128)), ("block_kv", (None, 64, 128, 256)),
+    for name, allowed in (("block_q", (64, 128)), ("block_kv", (64, 128, 256)),
                           ("block_q_dq", (64, 128)), ("block_kv_dq", (64, 128)),
                           ("block_q_dkv", (64, 128)), ("block_kv_dkv", (64, 128))):
       value = getattr(self, name)
-      if not (value is None or type(value) is int) or value not in allowed:
-        raise ValueError(f"MosaicTiles.{name} must be one of {allowed} (wgmma tiles), "
-                         f"got {value!r}")
+      if value is not None and (type(value) is not int or value not in allowed):
+        raise ValueError(f"MosaicTiles.{name} must be one of {allowed} (wgmma tiles) or None "
+                         f"(tuned), got {value!r}")
     for name in ("stages", "stages_bwd"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise ValueError(f"MosaicTiles.{name} must be an int >= 2, got {value!r}")
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value < 2):
+        raise ValueError(f"MosaicTiles.{name} must be an int >= 2 or None (tuned), "
+                         f"got {value!r}")
 
-  def key_block(self, head_dim: int) -> int:
-    if self.block_kv is not None:
-      return self.block_kv
-    return 128 if head_dim <= 128 else 64
+  def unset(self) -> tuple[str, ...]:
+    """The fields left to the tuned table."""
+    return _unset(self)
+
+  def require_filled(self, where: str):
+    _require_filled(self, where)
+
+  def filled(self, tuned: MosaicTiles) -> MosaicTiles:
+    """These tiles with every unset field taken from ``tuned``."""
+    return dataclasses.replace(self, **{name: getattr(tuned, name) for name in self.unset()})
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
   """Frozen, hashable kernel tuning; it keys compilation, so it must be static.
 
-  Block sizes are powers of two >= 16 (Triton's dot needs 16-row tiles); each is
-  clipped to the padded sequence length at call time. ``interpret=None`` picks
-  the Pallas interpreter exactly when no GPU backend is present.
+  The Pallas-Triton fields (blocks, warps, stages) and ``mosaic``'s tiles
+  default to None, the tuned table's value for the call's head dim, dtype and
+  masking (ua_kernels.tuned_configs); set ones are kept as given. Block sizes
+  are powers of two >= 16 (Triton's dot needs 16-row tiles); each is clipped
+  to the padded sequence length at call time. ``interpret=None`` picks the
+  Pallas interpreter exactly when no GPU backend is present.
 
-  ``backend`` picks the forward's kernels: "auto" takes Mosaic GPU (tiles in
-  ``mosaic``) on Hopper for what it supports (ua_kernels.mosaic_forward) and
-  runs faster (not packed documents: attention.forward_backend), and
-  Pallas-Triton elsewhere; "triton" and "mosaic" force one (forcing Mosaic for
-  a call it cannot run is an error). The backward runs on the forward's
-  backend where that backend's backward supports the call
-  (ua_kernels.mosaic_backward), else on Pallas-Triton.
+  ``backend`` picks the forward's kernels and no tiles: "auto" takes Mosaic
+  GPU (tiles in ``mosaic``) on Hopper for what it supports
+  (ua_kernels.mosaic_forward) and runs faster (not packed documents:
+  attention.forward_backend), and Pallas-Triton elsewhere; "triton" and
+  "mosaic" force one (forcing Mosaic for a call it cannot run is an error).
+  The backward runs on the forward's backend where that backend's backward
+  supports the call (ua_kernels.mosaic_backward), else on Pallas-Triton.
   """
 
-  block_q: int = 64
-  block_kv: int = 64
-  block_q_dq: int = 64
-  block_kv_dq: int = 64
-  block_q_dkv: int = 64
-  block_kv_dkv: int = 64
+  block_q: int | None = None
+  block_kv: int | None = None
+  block_q_dq: int | None = None
+  block_kv_dq: int | None = None
+  block_q_dkv: int | None = None
+  block_kv_dkv: int | None = None
   num_warps: int | None = None
-  num_stages: int = 2
+  num_stages: int | None = None
   num_warps_bwd: int | None = None
-  num_stages_bwd: int = 2
+  num_stages_bwd: int | None = None
   interpret: bool | None = None
   backend: str = "auto"
   mosaic: MosaicTiles = MosaicTiles()
@@ -85,20 +117,24 @@ class KernelConfig:
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq",
                   "block_q_dkv", "block_kv_dkv"):
       value = getattr(self, field)
+      if value is None:
+        continue
       if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"KernelConfig.{field} must be an int, got {value!r}")
+        raise TypeError(f"KernelConfig.{field} must be an int or None (tuned), got {value!r}")
       if value < 16 or value & (value - 1):
         raise ValueError(
             f"KernelConfig.{field} must be a power of two >= 16, got {value}")
     for field in ("num_warps", "num_warps_bwd"):
       value = getattr(self, field)
       if value is not None and (type(value) is not int or value not in _WARPS):
-        raise ValueError(f"KernelConfig.{field} must be one of {_WARPS} or None, "
+        raise ValueError(f"KernelConfig.{field} must be one of {_WARPS} or None (tuned), "
                          f"got {value!r}")
     for field in ("num_stages", "num_stages_bwd"):
       value = getattr(self, field)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"KernelConfig.{field} must be an int >= 1, got {value!r}")
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value < 1):
+        raise ValueError(f"KernelConfig.{field} must be an int >= 1 or None (tuned), "
+                         f"got {value!r}")
     if self.interpret is not None and not isinstance(self.interpret, bool):
       raise TypeError(
           f"KernelConfig.interpret must be a bool or None, got {self.interpret!r}")
@@ -106,3 +142,18 @@ class KernelConfig:
       raise ValueError(f"KernelConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
     if not isinstance(self.mosaic, MosaicTiles):
       raise TypeError(f"KernelConfig.mosaic must be a MosaicTiles, got {self.mosaic!r}")
+
+  def unset(self) -> tuple[str, ...]:
+    """The fields left to the tuned table, ``mosaic``'s as ``mosaic.<name>``
+    (``interpret=None`` is a choice of its own, not a tuned value)."""
+    return _unset(self) + tuple(f"mosaic.{name}" for name in self.mosaic.unset())
+
+  def require_filled(self, where: str):
+    _require_filled(self, where)
+
+  def filled(self, tuned: KernelConfig) -> KernelConfig:
+    """This config with every unset tile, warp and stage field, ``mosaic``'s
+    included, taken from ``tuned``; ``backend`` and ``interpret`` stay."""
+    return dataclasses.replace(
+        self, mosaic=self.mosaic.filled(tuned.mosaic),
+        **{name: getattr(tuned, name) for name in _unset(self)})

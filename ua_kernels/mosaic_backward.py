@@ -86,7 +86,9 @@ def halves_shared_memory(tiles: MosaicTiles, itemsize: int) -> int:
   dkv_halves_kernel with ``tiles``, as their scratch below declares it
   (head dim 2 * HALVES_ABOVE, three per-query rows, 8-byte barriers). Tiles
   that pass MosaicTiles' validation can exceed a block's shared memory here
-  (128-row tiles, three stages), which the dispatch sends to Triton."""
+  (128-row tiles, three stages), which the dispatch sends to Triton.
+  ``tiles`` filled (tuned_configs.effective_config)."""
+  tiles.require_filled("mosaic_backward.halves_shared_memory")
   head_dim, stages = 2 * HALVES_ABOVE, tiles.stages_bwd
   bkv_halves = min(tiles.block_kv_dq, 64)
   dq = (2 * 2 * tiles.block_q_dq * (head_dim // 2) * itemsize

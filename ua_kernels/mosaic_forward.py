@@ -69,7 +69,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
   dtype = q.dtype
   block_q = tiles.block_q
   head_dim = mosaic_common.padded_head_dim(d)
-  block_kv = tiles.key_block(head_dim)
+  block_kv = tiles.block_kv
   rows = 2 * block_q
   seq_pad = mosaic_common.padded_length(t, rows, block_kv)
   padded = seq_pad != t

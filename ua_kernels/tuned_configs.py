@@ -1,33 +1,42 @@
-"""Default KernelConfig per (head dim, dtype, masking, cap), from benchmarks/tune.py.
+"""The tuned table: each kernel field's value per (head dim, dtype, masking,
+cap), from benchmarks/tune.py, and the one place a call's effective config is
+made from it (effective_config).
 
-16-bit tiles: measured on one H200 (jax 0.11.2, triton 3.6, bf16, B=4 (2 for
-D=256), T=4096, H=16), candidates timed round-robin. D=128 forward tiles: no cap
-128x128, 8 warps, 3 stages, full and causal; tanh cap 64x64, 4 warps, 3 stages;
-windows keep the 64x64 tiles they were measured with. float32 tiles hold twice
-the bytes, so for D > 64 float32 keeps untuned tiles that fit the H200's 227 KiB
-of shared memory per block and ran there (D=256 at 64x32); float32 is
-correctness-first here, not tuned. The sweeps and the float32 runs behind these
-choices: docs/BENCHMARKS.md, "Tiles". The CPU interpreter ignores warps and stages.
+Pallas-Triton, 16-bit: measured on one H200 (jax 0.11.2, triton 3.6, bf16, B=4
+(2 for D=256), T=4096, H=16), candidates timed round-robin. D=128 forward
+tiles: no cap 128x128, 8 warps, 3 stages, full and causal; tanh cap 64x64, 4
+warps, 3 stages; windows keep the 64x64 tiles they were measured with. float32
+tiles hold twice the bytes, so for D > 64 float32 keeps untuned tiles that fit
+the H200's 227 KiB of shared memory per block and ran there (D=256 at 64x32),
+with 8 warps (the heuristic they ran with); float32 is correctness-first here,
+not tuned. Mosaic GPU (16-bit only): `python -m benchmarks.tune --backend
+mosaic`. The sweeps and the float32 runs behind these choices:
+docs/BENCHMARKS.md, "Tiles". The CPU interpreter ignores warps and stages.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 
 from ua_reference.contract import StaticSpec
 
-from .kernel_config import KernelConfig
+from .kernel_config import KernelConfig, MosaicTiles
 
 _BWD_64 = dict(block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                num_warps_bwd=4, num_stages_bwd=2)
+_STAGES_2 = dict(num_stages=2, num_stages_bwd=2)
+_WARPS_8 = dict(num_warps=8, num_warps_bwd=8)
 
 
-def default_config(spec: StaticSpec, dtype) -> KernelConfig:
+def triton_config(spec: StaticSpec, dtype) -> KernelConfig:
+  """Every Pallas-Triton field (blocks, warps, stages) of the table; ``mosaic`` unset."""
   if jnp.dtype(dtype) == jnp.float32 and spec.head_dim > 128:
     return KernelConfig(block_q=64, block_kv=32, block_q_dq=32, block_kv_dq=32,
-                        block_q_dkv=32, block_kv_dkv=32)
+                        block_q_dkv=32, block_kv_dkv=32, **_WARPS_8, **_STAGES_2)
   if jnp.dtype(dtype) == jnp.float32 and spec.head_dim > 64:
-    return KernelConfig()
+    return KernelConfig(64, 64, 64, 64, 64, 64, **_WARPS_8, **_STAGES_2)
   if spec.head_dim > 128:
     return KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2,
                         block_q_dq=32, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=32,
@@ -35,3 +44,33 @@ def default_config(spec: StaticSpec, dtype) -> KernelConfig:
   if spec.head_dim > 64 and spec.cap_method == "none" and spec.window_len == 0:
     return KernelConfig(block_q=128, block_kv=128, num_warps=8, num_stages=3, **_BWD_64)
   return KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3, **_BWD_64)
+
+
+def mosaic_tiles(spec: StaticSpec, dtype) -> MosaicTiles:
+  """Every MosaicTiles field of the table: forward key tiles of 128 up to head
+  dim 128, else 64 (two stages of K and V at head dim 256 fit the shared memory
+  only so); 128-key dq tiles beat 64 by up to 1% at head dim 128."""
+  del dtype  # measured in bfloat16; float16 has the same bytes
+  return MosaicTiles(block_q=64, block_kv=128 if spec.head_dim <= 128 else 64, stages=2,
+                     block_q_dq=64, block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
+                     stages_bwd=2)
+
+
+def default_config(spec: StaticSpec, dtype) -> KernelConfig:
+  """The table's config for a call, every field filled, backend "auto"."""
+  return dataclasses.replace(triton_config(spec, dtype), mosaic=mosaic_tiles(spec, dtype))
+
+
+def effective_config(spec: StaticSpec, dtype, config: KernelConfig | None = None
+                     ) -> KernelConfig:
+  """The config a call runs with: ``config``'s set fields as given, its unset
+  (None) ones from the table for this spec and dtype, whichever backend it
+  picks, so that choosing a backend or a few tiles keeps the tuning of the rest.
+  Idempotent; None is the table's config."""
+  if config is None:
+    return default_config(spec, dtype)
+  if not isinstance(config, KernelConfig):
+    raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
+  if not config.unset():
+    return config
+  return config.filled(default_config(spec, dtype))
