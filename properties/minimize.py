@@ -216,7 +216,7 @@ class Result:
   outcome: Outcome
   attempts: int
   seconds: float
-  stopped: str  # fixpoint | max attempts | max seconds
+  stopped: str  # fixpoint | max attempts | max seconds | interrupted
 
 
 def minimize(impl: Implementation, prop: Property, case: Case, target: Outcome, *,
@@ -227,7 +227,8 @@ def minimize(impl: Implementation, prop: Property, case: Case, target: Outcome, 
   Rounds over MOVES; in each move the first candidate failing the same way is
   taken. Outcomes are remembered per case, so a candidate rejected in one round
   costs nothing when the next proposes it again. Ends at a round with no
-  accepted move, or when the attempts or seconds are spent.
+  accepted move, when the attempts or seconds are spent, or at Ctrl-C (the
+  smallest case so far is still written).
   """
   start, attempts, seen = time.monotonic(), 0, {case: target}
   best, best_outcome = case, target
@@ -245,7 +246,11 @@ def minimize(impl: Implementation, prop: Property, case: Case, target: Outcome, 
           if spent:
             return Result(best, best_outcome, attempts, time.monotonic() - start, spent)
           attempts += 1
-          outcome = seen[candidate] = run_case(verifier, prop, candidate)
+          try:
+            outcome = seen[candidate] = run_case(verifier, prop, candidate)
+          except KeyboardInterrupt:  # keep what was found so far
+            return Result(best, best_outcome, attempts - 1, time.monotonic() - start,
+                          "interrupted")
           same = outcome.signature() == target.signature()
           log(f"[{attempts:3}] {what:34} {'accepted' if same else 'rejected'}: "
               f"{outcome.describe()}; {describe_cost(candidate)}")
