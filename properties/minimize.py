@@ -102,19 +102,28 @@ def describe_cost(case: Case) -> str:
           f" (B={case.batch}, Hkv={case.num_kv_heads})")
 
 
-def valid(impl: Implementation, prop: Property, case: Case) -> bool:
-  """Whether the property is drawn on this case for this implementation: the
-  registry's require/forbid/any_of/applies and the implementation's
-  declarations. A candidate outside them would not be a case the suite could
-  have produced, so it is never run."""
+def why_invalid(impl: Implementation, prop: Property, case: Case) -> str | None:
+  """Why the property would not be drawn on this case for this implementation
+  (the registry's require/forbid/any_of/applies, the implementation's
+  declarations), or None. A candidate outside them is not a case the suite
+  could have produced, so it is never run."""
   features = case.features()
-  if not prop.require <= features or prop.forbid & features:
-    return False
+  if not prop.require <= features:
+    return f"{prop.name} requires {sorted(prop.require - features)}"
+  if prop.forbid & features:
+    return f"{prop.name} is not drawn with {sorted(prop.forbid & features)}"
   if prop.any_of and not prop.any_of & features:
-    return False
-  if case.num_q_heads % case.num_kv_heads or impl.supports(case) is not None:
-    return False
-  return bool(prop.applies(case))
+    return f"{prop.name} needs one of {sorted(prop.any_of)}"
+  if case.num_q_heads % case.num_kv_heads:
+    return f"{case.num_q_heads} query heads are not a multiple of {case.num_kv_heads}"
+  unsupported = impl.supports(case)
+  if unsupported is not None:
+    return f"{impl.name} {unsupported}"
+  return None if prop.applies(case) else f"{prop.name} does not apply to it (registry)"
+
+
+def valid(impl: Implementation, prop: Property, case: Case) -> bool:
+  return why_invalid(impl, prop, case) is None
 
 
 # --------------------------------------------------------------------------- #
@@ -271,10 +280,17 @@ def minimize_file(path: str, payload: dict, impl: Implementation, prop: Property
                   log: Callable[[str], None] = print) -> int:
   """ua-repro --minimize on one loaded case file. Returns ua-repro's status: 1
   when the (minimal) case fails, 0 when the recorded one does not reproduce
-  here, 2 when the harness cannot evaluate it (nothing to minimize)."""
+  here, 2 when there is nothing to minimize: the harness cannot evaluate the
+  case, or it is outside what the suite draws for this property and
+  implementation."""
   case = payload["case"]
   with tempfile.TemporaryDirectory(prefix="ua-minimize-") as scratch:
     verifier = Verifier(impl, scratch, tuple(imports))
+    invalid = why_invalid(impl, prop, case)
+    if invalid:
+      log(f"not minimized: the case is outside what the suite draws ({invalid}), and so "
+          f"would be every candidate; ua-repro without --minimize replays it as it is")
+      return 2
     target = run_case(verifier, prop, case)
     log(f"original: {prop.name} {target.describe()}; {describe_cost(case)}")
     if target.kind == "passed":

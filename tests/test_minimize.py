@@ -70,6 +70,16 @@ def test_a_case_that_passes_is_not_minimized(outside, tmp_path, capsys):
   assert not (tmp_path / "c.min.json").exists()
 
 
+def test_a_case_outside_the_declarations_is_not_minimized(outside, tmp_path, capsys):
+  """Every candidate would be outside them too: say so rather than run nothing."""
+  path = tmp_path / "c.json"
+  write_case_file(path, dataclasses.replace(BIG, cap_method="tanh", cap_params=(2.0,)),
+                  "matches_oracle", "outside_kernels:window_bug_attention", status="failed")
+  assert cli.repro_main([str(path), "--minimize"]) == 2
+  assert "declares ['cap', 'lse'] unsupported" in capsys.readouterr().out
+  assert not (tmp_path / "c.min.json").exists()
+
+
 # --------------------------------------------------------------------------- #
 # The search, against a fake verifier: which outcomes count as "the same way".
 
