@@ -14,7 +14,8 @@ one of the case file; no other is run) failing on the same set of outputs (an
 implementation that raised: the same exception type). A harness error, a pass,
 or other outputs failing reject it. Moves are tried in a fixed order until a
 whole round accepts none (a fixpoint), within an attempt and a time budget, so
-two runs on the same machine give the same minimal case.
+two runs on the same machine give the same minimal case (unless the time
+budget, the one non-deterministic bound, ends one of them first).
 
 It imports nothing from ua_kernels: the implementation is a plug-in here too.
 """
