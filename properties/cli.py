@@ -172,14 +172,25 @@ def _properties_not_run(impl_name: str, report: dict) -> list[str]:
 
 
 def repro_main(argv=None) -> int:
-  """ua-repro CASE.json [--impl module:function]: replays one saved case here."""
+  """ua-repro CASE.json [--impl module:function] [--minimize]: replays one saved
+  case here; with --minimize, reduces it while it fails the same way and writes
+  CASE.min.json beside it (properties/minimize.py)."""
   parser = argparse.ArgumentParser(prog="ua-repro", description=repro_main.__doc__)
   parser.add_argument("case_file")
   parser.add_argument("--impl", default=None,
                       help="implementation (default: the one recorded in the file)")
   parser.add_argument("--import", dest="imports", default="",
                       help="comma-separated modules that register cap methods")
+  parser.add_argument("--minimize", action="store_true",
+                      help="reduce the case while the same property fails on the same "
+                           "outputs; write <name>.min.json beside it")
+  parser.add_argument("--max-attempts", type=int, default=200,
+                      help="with --minimize: candidate cases to run at most")
+  parser.add_argument("--max-seconds", type=float, default=600.0,
+                      help="with --minimize: no new candidate after this many seconds")
   args = parser.parse_args(argv)
+  if args.max_attempts < 1 or not args.max_seconds > 0:
+    parser.error("--max-attempts and --max-seconds must be positive")
   from .case import load_case_file, versions
   try:
     payload = load_case_file(args.case_file)
@@ -187,7 +198,7 @@ def repro_main(argv=None) -> int:
     parser.error(f"{args.case_file}: not a readable case file ({type(exc).__name__}: {exc})")
   names = ",".join([args.imports] + list(payload.get("imports", ())))
   try:
-    import_modules(names)
+    imports = tuple(dict.fromkeys(import_modules(names)))
   except Exception as exc:  # noqa: BLE001 -- a usage error, not a reproduction
     parser.error(f"--import {names}: {type(exc).__name__}: {exc}")
   from .capabilities import load_impl
@@ -213,6 +224,10 @@ def repro_main(argv=None) -> int:
         f" {recorded}\nnow: {now}")
   if payload.get("status") in ("crashed", "timeout", "running"):
     print(f"note: this case {payload['status']} its worker when recorded; it may do so here")
+  if args.minimize:
+    from .minimize import minimize_file
+    return minimize_file(args.case_file, payload, impl, prop, imports=imports,
+                         max_attempts=args.max_attempts, max_seconds=args.max_seconds)
   try:
     errors = prop.check(impl, case)
   except PropertyFailure as exc:

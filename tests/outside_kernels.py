@@ -82,3 +82,13 @@ def tanh_only_attention(q, k, v, **kwargs):
 
 
 tanh_only_attention.ua_cap_methods = ("tanh",)
+
+
+def dk_off_when_causal_attention(q, k, v, **kwargs):
+  """The reference with dk 1.5 times too large on causal sequences longer than 16, and
+  right everywhere else (out, lse, dq, dv; every other case): the planted
+  defect tests/test_minimize.py reduces. The forward adds k - stop_gradient(k),
+  exactly zero, so only k's cotangent changes."""
+  if kwargs.get("causal") and q.shape[1] > 16:
+    k = k + 0.5 * (k - jax.lax.stop_gradient(k))
+  return ua_reference.attention(q, k, v, **kwargs)

@@ -8,7 +8,8 @@ import sys
 MODULES = ["ua_reference", "properties", "properties.plugin", "properties.suite",
            "properties.cli", "properties.registry", "properties.verifier",
            "properties.strategies", "properties.runner", "properties.cap_checks",
-           "properties.impls", "properties.calibrate", "properties.mutation"]
+           "properties.impls", "properties.calibrate", "properties.mutation",
+           "properties.minimize"]
 
 SCRIPT = f"""
 import sys
