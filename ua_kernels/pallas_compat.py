@@ -43,16 +43,18 @@ def plgpu():
 
 
 @functools.cache
-def _load_takes_index() -> bool:
-  """Whether plgpu.load still has its positional ``idx`` parameter (0.10,
-  0.11); without it (0.12) a ref is indexed before the load."""
-  return "idx" in inspect.signature(plgpu().load).parameters
+def _load_needs_index() -> bool:
+  """Whether plgpu.load requires its positional ``idx`` (0.10). 0.11 makes it
+  optional and deprecated, 0.12 removes it: from 0.11 on the ref, already
+  sliced with ``.at``, is passed alone, as the kernels ran on 0.11.2 before."""
+  parameter = inspect.signature(plgpu().load).parameters.get("idx")
+  return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 def load_vector(ref, layout):
   """plgpu.load of a whole 1-D ref (already sliced with ``.at``) in
   ``layout``, not requiring an optimized (vectorised) load: the per-row
   vectors of a tile are read once per tile."""
-  if _load_takes_index():
+  if _load_needs_index():
     return plgpu().load(ref, (), layout=layout, optimized=False)
   return plgpu().load(ref, layout=layout, optimized=False)
