@@ -140,15 +140,34 @@ _SESSION: _State | None = None  # pytest_runtest_logreport gets no config
 
 @dataclasses.dataclass(frozen=True)
 class PropertyTest:
+  """One test of a property: per dtype, chunk, and ``focus`` (an oracle
+  property's share of cases guaranteed to one cap method, mask kind, or to the
+  long lengths and large head dims: focuses())."""
+
   property: str
   dtype: str | None = None
   chunk: int = 0
   chunks: int = 1
+  focus: str = ""
 
   @property
   def id(self) -> str:
     parts = [self.property] + ([self.dtype] if self.dtype else [])
+    parts += [self.focus] if self.focus else []
     return "-".join(parts + ([f"c{self.chunk:02d}"] if self.chunks > 1 else []))
+
+
+MASK_FOCUSES = ("causal", "window", "segment_ids")
+
+
+def focuses() -> list[str]:
+  """The focused oracle tests of each dtype: every registered cap method
+  (user-registered ones included, through --ua-import), every mask kind, and
+  "long". Drawn by chance, a ci run of 83 cases held two hard-cap cases and no
+  length beyond 256 (docs/TOLERANCES.md, "Coverage by feature")."""
+  from ua_reference.caps import CAP_METHODS
+  return ([f"cap-{m}" for m in CAP_METHODS if m != "none"]
+          + [f"mask-{m}" for m in MASK_FOCUSES] + ["long"])
 
 
 def property_tests(profile, oracle_chunks: int | None = None) -> list["PropertyTest"]:
@@ -180,7 +199,7 @@ def _first_round(chunks: int) -> list["PropertyTest"]:
   ``chunks``): one test of every property, per dtype where it runs per dtype."""
   from .capabilities import DTYPES
   from .registry import PROPERTIES
-  first = []
+  first, focused = [], []
   for prop in PROPERTIES:
     if not prop.per_dtype:
       first.append(PropertyTest(prop.name))
@@ -188,7 +207,9 @@ def _first_round(chunks: int) -> list["PropertyTest"]:
       first += [PropertyTest(prop.name, dtype) for dtype in DTYPES]
     else:
       first += [PropertyTest(prop.name, dtype, 0, chunks) for dtype in DTYPES]
-  return first
+      focused += [PropertyTest(prop.name, dtype, focus=focus)
+                  for focus in focuses() for dtype in DTYPES]
+  return first + focused
 
 
 def first_round_size() -> int:
@@ -269,15 +290,19 @@ class Suite:
     if state.deadline is not None and time.time() > state.deadline:
       pytest.skip("the campaign's time box (--ua-minutes) is spent")
     prop, impl = get(test.property), self.impl
-    why = prop.unsupported_by(impl, test.dtype)
+    why = prop.unsupported_by(impl, test.dtype) or _focus_unsupported(test.focus, impl)
     if why:
       pytest.skip(why)
     buckets = self.profile.buckets
     if test.dtype is not None:
       buckets = dataclasses.replace(buckets, dtypes=(test.dtype,))
-    if prop.long and buckets.long_seq_lens:
-      buckets = dataclasses.replace(buckets, seq_lens=buckets.long_seq_lens, edge_multiples=())
-    strategy = cases(buckets, impl, prop.require, prop.forbid, prop.any_of).filter(prop.applies)
+    if prop.long or test.focus == "long":
+      buckets = _long(buckets, impl)
+    require = prop.require | ({test.focus[len("mask-"):]} if test.focus.startswith("mask-")
+                              else set())
+    cap = test.focus[len("cap-"):] if test.focus.startswith("cap-") else None
+    strategy = cases(buckets, impl, require, prop.forbid, prop.any_of, cap=cap
+                     ).filter(prop.applies)
     verifier = Verifier(impl, self.config.getoption("ua_failures"), self.imports,
                         record=lambda r: node.user_properties.append((_RECORD, r)),
                         case_timeout=self.config.getoption("ua_case_timeout"))
@@ -303,9 +328,12 @@ class Suite:
       hypothesis.target(worst, label="error/tolerance")
 
     run = given(case=strategy)(body)
+    examples = self.profile.examples(prop.examples, prop.oracle)
+    if test.focus:
+      examples = (self.profile.long_examples if test.focus == "long"
+                  else self.profile.focus_examples)
     run = settings(settings.get_profile(self.profile.hypothesis_name),
-                   database=self.database(test),
-                   max_examples=self.profile.examples(prop.examples, prop.oracle))(run)
+                   database=self.database(test), max_examples=examples)(run)
     if test.chunks > 1:
       run = hypothesis.seed(test.chunk)(run)
     run()
@@ -323,6 +351,27 @@ class Suite:
                        state.first_round_started)
     state.first_round_started += 1
     return min(state.deadline, now + share)
+
+
+def _focus_unsupported(focus: str, impl) -> str | None:
+  """Why ``impl`` cannot run a focused test (None: it can)."""
+  if focus.startswith("cap-"):
+    method = focus[len("cap-"):]
+    if "cap" in impl.unsupported or not impl.supports_cap(method):
+      return f"{impl.name} declares cap method {method!r} unsupported"
+  if focus.startswith("mask-") and focus[len("mask-"):] in impl.unsupported:
+    return f"{impl.name} declares {focus[len('mask-'):]!r} unsupported"
+  return None
+
+
+def _long(buckets, impl):
+  """The buckets of tests on long sequences: the profile's long lengths
+  (no tile edges) and its large head dims that ``impl`` declares (its own
+  head dims if it declares none of them)."""
+  dims = tuple(d for d in buckets.long_head_dims if impl.head_dims(d)) or buckets.head_dims
+  return dataclasses.replace(buckets, seq_lens=buckets.long_seq_lens or buckets.seq_lens,
+                             edge_multiples=() if buckets.long_seq_lens else
+                             buckets.edge_multiples, head_dims=dims)
 
 
 @pytest.fixture(scope="session")

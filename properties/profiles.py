@@ -33,6 +33,9 @@ class Buckets:
   # What the properties drawn on long sequences (registry's Property.long) draw
   # from instead of seq_lens and the tile edges.
   long_seq_lens: tuple[int, ...] = ()
+  # Head dims drawn with them (those the implementation declares), up to the
+  # largest any implementation of the contract is asked to take.
+  long_head_dims: tuple[int, ...] = (128, 192, 256)
 
 
 _SMALL_TILES = ((16, 16), (32, 16), (16, 32))
@@ -85,6 +88,10 @@ class Profile:
   oracle_chunks: int = 1
   oracle_examples: int | None = None
   seeds: int = 1
+  # Examples of each focused oracle test (plugin.FOCUSES: one per cap method,
+  # mask kind and dtype), and of the long one per dtype.
+  focus_examples: int = 2
+  long_examples: int = 1
 
   @property
   def hypothesis_name(self) -> str:
@@ -103,10 +110,12 @@ PROFILES = {p.name: p for p in (
     Profile("ci", BUCKETS["ci"], 1.0, dict(derandomize=True, database=None,
                                              phases=[Phase.explicit, Phase.generate])),
     Profile("dev", BUCKETS["dev"], 3.0, dict(phases=[Phase.explicit, Phase.reuse,
-                                                     Phase.generate, Phase.shrink])),
+                                                     Phase.generate, Phase.shrink]),
+            focus_examples=4, long_examples=2),
     # Randomized and long; targets the error/tolerance ratio.
     Profile("fuzz", BUCKETS["fuzz"], 25.0, dict(
-        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink])),
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]),
+        focus_examples=20, long_examples=5),
     # The GPU campaign: compiled kernels at their own tiles; the oracle property
     # as 10 tests per dtype of 6 configurations x 6 input seeds (1080 oracle
     # cases); no shrinking (a failure's case file replays it); saved failures
