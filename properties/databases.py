@@ -10,8 +10,11 @@ joined (MultiplexedDatabase: failures saved into every one, replayed from
 all of them):
 
 - a Redis URL (either option): Hypothesis's RedisExampleDatabase, read and
-  written, its keys prefixed ``ua-examples:<test id>:``. Campaigns on several
-  hosts given the same URL each replay the failures the others saved;
+  written, its keys prefixed ``ua-examples:<impl>:<test id>:``. Campaigns on
+  several hosts given the same URL each replay the failures the others saved.
+  A saved failure that passes where it is replayed is deleted (Hypothesis's
+  reuse phase), hence the implementation in the key: a campaign of another
+  implementation sharing the server leaves it alone;
 - a directory --ua-shared-database: read only, ``DIR/<test id>``.
 
 A Redis URL needs the ``redis`` package (``pip install
@@ -101,7 +104,7 @@ def check_option(option: str, value: str | None, connect: bool = True) -> None:
                                 f"({type(exc).__name__}: {exc})") from None
 
 
-def example_database(test_id: str, database: str | None, shared: str | None,
+def example_database(test_id: str, impl: str, database: str | None, shared: str | None,
                      options=("--ua-database", "--ua-shared-database")):
   """The example database of one test (see the module doc)."""
   from hypothesis.database import (DirectoryBasedExampleDatabase, MultiplexedDatabase,
@@ -114,7 +117,7 @@ def example_database(test_id: str, database: str | None, shared: str | None,
       from hypothesis.extra.redis import RedisExampleDatabase
       urls.append(value)
       parts.append(RedisExampleDatabase(redis_client(option, value),
-                                        key_prefix=f"{KEY_PREFIX}{test_id}:".encode()))
+                                        key_prefix=f"{KEY_PREFIX}{impl}:{test_id}:".encode()))
   if shared and not is_url(shared):
     parts.append(ReadOnlyDatabase(DirectoryBasedExampleDatabase(os.path.join(shared, test_id))))
   return parts[0] if len(parts) == 1 else MultiplexedDatabase(*parts)

@@ -262,7 +262,7 @@ class Suite:
     from .databases import example_database
     if self.profile.hypothesis.get("database", True) is None:
       return None
-    return example_database(test.id, self.config.getoption("ua_database"),
+    return example_database(test.id, self.impl_name, self.config.getoption("ua_database"),
                             self.config.getoption("ua_shared_database"))
 
   def run(self, test: PropertyTest, node) -> None:

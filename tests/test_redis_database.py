@@ -64,7 +64,7 @@ def pytest_runtest_logreport(report):
 '''
 
 PROPERTY_TEST = "matches_oracle-float32"
-KEY_PREFIX = f"ua-examples:{PROPERTY_TEST}:"
+KEY_PREFIX = f"ua-examples:planted_defect:attention:{PROPERTY_TEST}:"
 
 
 def _free_port() -> int:
@@ -133,10 +133,12 @@ def _campaign(tmp_path, host: str, url: str):
          "--report", str(work / "report.json"), "--compile-cache", str(tmp_path / "jax-cache"),
          "--",
          "-p", "case_order_plugin", "-k", "matches_oracle and float32 and not x64"]
+  start = time.time()
   proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
   [line] = order.read_text().splitlines()
   record = json.loads(line)
   assert record["test"].endswith(f"[{PROPERTY_TEST}]"), record
+  print(f"{host}: {len(record['cases'])} cases in {time.time() - start:.1f} s")
   return proc, record["cases"], work
 
 
@@ -166,6 +168,15 @@ def test_a_second_campaign_replays_the_failure_the_first_saved_in_redis(tmp_path
   assert (b / "failures" / f"matches_oracle-{failing['case']}.json").exists()
   report = json.loads((b / "report.json").read_text())
   assert report["properties"]["matches_oracle"]["failures"] >= 1
+  assert report["host"] == socket.gethostname() and "commit" in report
+
+  # The two hosts' reports, merged: both failed, so the merge does.
+  merged = tmp_path / "merged.json"
+  assert cli.verify_main(["--merge", str(a / "report.json"), str(b / "report.json"),
+                          "--report", str(merged)]) == 1
+  merged = json.loads(merged.read_text())
+  assert merged["cases"] == report["cases"] + json.loads((a / "report.json").read_text())["cases"]
+  assert len(merged["merged_from"]) == 2 and merged["hosts"] == [socket.gethostname()]
 
 
 @pytest.mark.parametrize("url, message", [
@@ -179,6 +190,16 @@ def test_a_malformed_url_is_a_usage_error_naming_the_option(url, message, capsys
     cli.verify_main(["--profile", "dev", "--shared-database", url])
   err = capsys.readouterr().err
   assert exit_.value.code == 2 and f"--shared-database {url}: " in err and message in err
+
+
+def test_plain_pytest_gets_one_usage_error_naming_its_option(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "--pyargs", "properties.suite", "-q", "-p",
+       "no:cacheprovider", "--ua-shared-database=redis://127.0.0.1:notaport/0"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent)))
+  assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert "--ua-shared-database redis://127.0.0.1:notaport/0: malformed Redis URL" in proc.stderr
 
 
 def test_without_the_redis_package_the_option_says_so(monkeypatch):
