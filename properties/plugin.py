@@ -457,15 +457,19 @@ _REPORT = pytest.StashKey[dict]()
 
 
 def _commit() -> str | None:
-  """The git commit of the suite's own checkout (None when installed from
-  elsewhere, or no git): which commit a host's report came from."""
+  """The git commit of the suite's own checkout, which a host's report came
+  from: None where this file is not tracked by git (an installed copy, even in
+  a virtualenv inside a checkout) or there is no git."""
   here = os.path.dirname(os.path.abspath(__file__))
+  git = lambda *args: subprocess.run(["git", "-C", here, *args], capture_output=True,
+                                     text=True, timeout=10)
   try:
-    out = subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"],
-                         capture_output=True, text=True, timeout=10)
+    if git("ls-files", "--error-unmatch", "--", os.path.basename(__file__)).returncode:
+      return None
+    out = git("rev-parse", "--short=12", "HEAD")
   except (OSError, subprocess.SubprocessError):
     return None
-  return out.stdout.strip() or None if out.returncode == 0 else None
+  return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 def pytest_terminal_summary(terminalreporter, config):
