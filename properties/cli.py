@@ -180,7 +180,7 @@ def verify_main(argv=None) -> int:
 
 def _merge(parser, paths: list[str], out: str) -> int:
   """ua-verify --merge: the reports of several hosts as one (plugin.merge_reports)."""
-  from .plugin import merge_reports, report_problems, write_report
+  from .plugin import merge_reports, write_report
   reports = []
   for path in paths:
     try:
