@@ -100,9 +100,16 @@ def verify_main(argv=None) -> int:
   parser.add_argument("--case-timeout", type=float, default=None,
                       help="seconds after which a case counts as hung (gpu profile: 900)")
   parser.add_argument("--failures", default="ua-failures", help="directory of case files")
-  parser.add_argument("--database", default=None, help="Hypothesis example database")
+  parser.add_argument("--database", default=None,
+                      help="Hypothesis example database: a directory (default "
+                           ".hypothesis/ua-examples) or a Redis URL redis://HOST:PORT/DB")
   parser.add_argument("--shared-database", default=None,
-                      help="read-only example database combined with --database")
+                      help="example database combined with --database: a directory (read "
+                           "only) or a Redis URL redis://HOST:PORT/DB (read and written: "
+                           "campaigns on several hosts replay each other's failures)")
+  parser.add_argument("--merge", nargs="+", metavar="REPORT", default=None,
+                      help="run nothing: merge these JSON reports (of several hosts) into "
+                           "one, printed and written to --report")
   parser.add_argument("--compile-cache", default=None,
                       help="JAX persistent compilation cache (gpu profile: .ua-jax-cache)")
   parser.add_argument("--import", dest="imports", default="",
@@ -114,6 +121,18 @@ def verify_main(argv=None) -> int:
   report_dir = os.path.dirname(os.path.abspath(args.report))
   if not os.path.isdir(report_dir):
     parser.error(f"--report {args.report}: no directory {report_dir}")
+  if args.merge:
+    return _merge(parser, args.merge, args.report)
+  from .databases import DatabaseOptionError, check_option
+  for option, value in (("--database", args.database),
+                        ("--shared-database", args.shared_database)):
+    try:
+      check_option(option, value)
+    except DatabaseOptionError as exc:
+      parser.error(str(exc))
+  if args.profile == "ci" and (args.database or args.shared_database):
+    print("note: the ci profile keeps no example database; --database and "
+          "--shared-database take effect with --profile dev, fuzz or gpu")
   if os.path.exists(args.failures) and not os.path.isdir(args.failures):
     parser.error(f"--failures {args.failures}: exists and is not a directory")
   import pytest
@@ -156,6 +175,39 @@ def verify_main(argv=None) -> int:
             f"{', '.join(missing)}: the verdict covers the other properties only")
   print(f"\n{verdict}: {args.impl}, profile {args.profile}, {report.get('cases', 0)} cases "
         f"in {time.time() - start:.0f} s; {written}")
+  return 0 if verdict == "PASS" else 1
+
+
+def _merge(parser, paths: list[str], out: str) -> int:
+  """ua-verify --merge: the reports of several hosts as one (plugin.merge_reports)."""
+  from .plugin import merge_reports, write_report
+  reports = []
+  for path in paths:
+    try:
+      with open(path) as f:
+        reports.append((path, json.load(f)))
+    except (OSError, ValueError) as exc:
+      parser.error(f"--merge {path}: not a readable JSON report ({type(exc).__name__}: {exc})")
+  try:
+    merged = merge_reports(reports)
+  except (ValueError, TypeError, KeyError, AttributeError) as exc:
+    parser.error(f"--merge: {exc}")
+  print(f"unified-attention verification, merged from {len(merged['merged_from'])} reports:")
+  for source in merged["merged_from"]:
+    print(f"  {source['report']}: host {source.get('host') or '?'}, commit "
+          f"{source.get('commit') or '?'}, {source.get('impl')}, profile "
+          f"{source.get('profile')}, {source['cases']} cases, "
+          f"{source.get('problems', 0)} failures or errors")
+  write_report(sys.stdout.write, merged)
+  with open(out, "w") as f:
+    json.dump(merged, f, indent=1, default=str)
+  failed = [s["report"] for s in merged["merged_from"] if s.get("problems")]
+  verdict = "FAIL" if failed or not merged["cases"] else "PASS"
+  print(f"\n{verdict}: {merged['cases']} cases from {len(merged['merged_from'])} reports "
+        f"(hosts {', '.join(merged['hosts']) or '?'}; commits "
+        f"{', '.join(merged['commits']) or '?'})"
+        + (f"; failures in {', '.join(failed)}" if failed else "")
+        + f"; merged report written to {out}")
   return 0 if verdict == "PASS" else 1
 
 

@@ -12,8 +12,10 @@ properties.suite --impl mypkg.mod:fn``. Options:
   --ua-failures DIR           where case files go (default ua-failures)
   --ua-case-timeout SECONDS   a case running longer ends its worker, reported as a failure
   --ua-minutes M              time box: no case starts after it
-  --ua-database DIR           Hypothesis example database (failures replay first)
-  --ua-shared-database DIR    a read-only database combined with it
+  --ua-database DIR|URL       Hypothesis example database (failures replay first)
+  --ua-shared-database DIR|URL  combined with it: a directory read only, a Redis
+                              URL (redis://HOST:PORT/DB) read and written, shared
+                              by campaigns on several hosts (properties/databases.py)
   --ua-compile-cache DIR      JAX's persistent compilation cache
 
 Profiles: ``--hypothesis-profile ua-ci|ua-dev|ua-fuzz|ua-gpu`` (properties/profiles.py).
@@ -28,6 +30,8 @@ import dataclasses
 import glob
 import json
 import os
+import socket
+import subprocess
 import time
 
 import pytest
@@ -54,9 +58,13 @@ def pytest_addoption(parser):
                   help="tests per dtype of each oracle property (default: the profile's); "
                        "more than the profile's run after every other test")
   group.addoption("--ua-database", default=None,
-                  help="Hypothesis example database directory (default .hypothesis/ua-examples)")
+                  help="Hypothesis example database: a directory (default "
+                       ".hypothesis/ua-examples) or a Redis URL redis://HOST:PORT/DB "
+                       "(joined to the default directory)")
   group.addoption("--ua-shared-database", default=None,
-                  help="read-only example database combined with --ua-database")
+                  help="example database combined with --ua-database: a directory (read "
+                       "only) or a Redis URL redis://HOST:PORT/DB (read and written, "
+                       "shared by campaigns on several hosts)")
   group.addoption("--ua-compile-cache", default=None,
                   help="directory of JAX's persistent compilation cache")
 
@@ -77,6 +85,13 @@ def _check_options(config):
   failures = config.getoption("ua_failures")
   if os.path.exists(failures) and not os.path.isdir(failures):
     raise pytest.UsageError(f"--ua-failures {failures}: exists and is not a directory")
+  from .databases import DatabaseOptionError, check_option
+  for option in ("ua_database", "ua_shared_database"):
+    try:  # a Redis URL: parsed, and the server asked once (by the controller)
+      check_option("--" + option.replace("_", "-"), config.getoption(option),
+                   connect=not hasattr(config, "workerinput"))
+    except DatabaseOptionError as exc:
+      raise pytest.UsageError(str(exc)) from None
   names = config.getoption("ua_import")
   try:
     import_modules(names)
@@ -263,18 +278,13 @@ class Suite:
     """The example database of one test: a directory of its own under
     --ua-database (Hypothesis keys a database by the test function's source,
     which all the suite's tests share), combined with the same directory of a
-    read-only --ua-shared-database."""
-    from hypothesis.database import (DirectoryBasedExampleDatabase, MultiplexedDatabase,
-                                     ReadOnlyDatabase)
+    read-only --ua-shared-database, or with a Redis database (either option a
+    Redis URL) that campaigns on several hosts share (properties/databases.py)."""
+    from .databases import example_database
     if self.profile.hypothesis.get("database", True) is None:
       return None
-    root = self.config.getoption("ua_database") or os.path.join(".hypothesis", "ua-examples")
-    local = DirectoryBasedExampleDatabase(os.path.join(root, test.id))
-    shared = self.config.getoption("ua_shared_database")
-    if shared:
-      return MultiplexedDatabase(local, ReadOnlyDatabase(
-          DirectoryBasedExampleDatabase(os.path.join(shared, test.id))))
-    return local
+    return example_database(test.id, self.impl_name, self.config.getoption("ua_database"),
+                            self.config.getoption("ua_shared_database"))
 
   def run(self, test: PropertyTest, node) -> None:
     """Runs one property test: Hypothesis draws configurations, each runs with
@@ -485,7 +495,8 @@ def pytest_sessionfinish(session):
   report = build_report(state.records, crashed, time.time() - state.started)
   from . import profiles
   report.update(impl=config.getoption("impl"), profile=profiles.active().name,
-                exit_status=int(session.exitstatus))
+                exit_status=int(session.exitstatus), host=socket.gethostname(),
+                commit=_commit())
   config.stash[_REPORT] = report
   path = config.getoption("ua_report")
   if path:
@@ -496,12 +507,32 @@ def pytest_sessionfinish(session):
 _REPORT = pytest.StashKey[dict]()
 
 
+def _commit() -> str | None:
+  """The git commit of the suite's own checkout, which a host's report came
+  from: None where this file is not tracked by git (an installed copy, even in
+  a virtualenv inside a checkout) or there is no git."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  git = lambda *args: subprocess.run(["git", "-C", here, *args], capture_output=True,
+                                     text=True, timeout=10)
+  try:
+    if git("ls-files", "--error-unmatch", "--", os.path.basename(__file__)).returncode:
+      return None
+    out = git("rev-parse", "--short=12", "HEAD")
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
 def pytest_terminal_summary(terminalreporter, config):
   report = config.stash.get(_REPORT, None)
   if report is None:
     return
-  write = terminalreporter.write
   terminalreporter.section("unified-attention verification")
+  write_report(terminalreporter.write, report)
+
+
+def write_report(write, report: dict) -> None:
+  """The report's tables, totals and failures (with their replay commands)."""
   _print_table(write, "feature group", report["feature_groups"])
   _print_table(write, "property", report["properties"])
   write(f"\n{report['cases']} cases ({report['oracle_cases']} against the oracle) in "
@@ -512,4 +543,70 @@ def pytest_terminal_summary(terminalreporter, config):
     if f["replay"] not in seen:
       seen.add(f["replay"])
       kind = {"harness": "harness error", "failed": "failure"}.get(f["status"], f["status"])
-      write(f"{kind}: {f['property']}: {f['replay']}\n")
+      where = f" (on {f['host']})" if f.get("host") else ""
+      write(f"{kind}: {f['property']}{where}: {f['replay']}\n")
+
+
+# --------------------------------------------------------------------------- #
+# Reports of several hosts, merged (ua-verify --merge).
+
+def report_problems(report: dict) -> int:
+  """Failures, harness errors and crashes of a report; a run that ended in
+  error (pytest's exit status) counts as one when nothing else does."""
+  problems = sum(row["failures"] + row["harness_errors"]
+                 for row in report.get("properties", {}).values())
+  problems = max(problems, len(report.get("failures", ())) + len(report.get("crashed", ())))
+  return problems or int(bool(report.get("exit_status")))
+
+
+def merge_reports(reports: list[tuple[str, dict]]) -> dict:
+  """One report from the reports of campaigns run side by side (``(path,
+  report)`` pairs; a merged report's own sources count one by one): per
+  feature group and property the sums of cases, failures, harness errors and
+  seconds and the largest worst error/tolerance; the totals' sums, the
+  longest campaign's seconds and the sum of the rates; every failure and
+  crash, marked with its host; where each report came from (``merged_from``,
+  ``hosts``, ``commits``)."""
+  def table():
+    return collections.defaultdict(lambda: {"cases": 0, "failures": 0, "harness_errors": 0,
+                                            "worst_ratio": 0.0, "seconds": 0.0})
+  groups, props = table(), table()
+  sources, failures, crashed = [], [], []
+  totals = dict.fromkeys(("cases", "oracle_cases", "cases_per_minute",
+                          "oracle_cases_per_minute"), 0)
+  seconds, exit_status = 0.0, 0
+  for path, report in reports:
+    for key in ("feature_groups", "properties", "cases"):
+      if key not in report:
+        raise ValueError(f"{path}: not a ua-verify report (no {key!r})")
+    if "merged_from" in report:
+      sources += report["merged_from"]
+    else:
+      sources.append({"report": path, "host": report.get("host"),
+                      "commit": report.get("commit"), "impl": report.get("impl"),
+                      "profile": report.get("profile"), "cases": report["cases"],
+                      "seconds": report.get("seconds"), "problems": report_problems(report)})
+    host = report.get("host") or ("merged" if "merged_from" in report else path)
+    for merged, rows in ((groups, report["feature_groups"]), (props, report["properties"])):
+      for name, row in rows.items():
+        out = merged[name]
+        for key in ("cases", "failures", "harness_errors"):
+          out[key] += row.get(key, 0)
+        out["seconds"] = round(out["seconds"] + row.get("seconds", 0.0), 3)
+        ratio = row.get("worst_ratio")
+        out["worst_ratio"] = max(out["worst_ratio"], float("inf") if ratio is None else ratio)
+    failures += [dict(f, host=f.get("host", host)) for f in report.get("failures", ())]
+    crashed += [dict(c, host=c.get("host", host)) for c in report.get("crashed", ())]
+    for key in totals:
+      totals[key] = round(totals[key] + report.get(key, 0), 1)
+    seconds = max(seconds, report.get("seconds", 0.0))
+    exit_status = exit_status or int(report.get("exit_status", 0) or 0)
+  distinct = lambda key: sorted({s[key] for s in sources if s.get(key)})
+  impls, profiles_ = distinct("impl"), distinct("profile")
+  return {**totals, "seconds": seconds,
+          "feature_groups": dict(sorted(groups.items())), "properties": dict(sorted(props.items())),
+          "failures": failures, "crashed": crashed,
+          "impl": impls[0] if len(impls) == 1 else impls,
+          "profile": profiles_[0] if len(profiles_) == 1 else profiles_,
+          "exit_status": exit_status, "hosts": distinct("host"), "commits": distinct("commit"),
+          "merged_from": sources}
