@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 
+from .bias import BiasStats, output_dtype, signed_ulps, verdicts
 from .capabilities import Implementation
 from .case import Case
 from .inputs import logit_scale, make_inputs
@@ -39,12 +40,27 @@ def _replace(case: Case, **changes) -> Case:
 
 def matches_oracle(impl, case: Case):
   """Outputs and gradients (through jax.vjp), and the outputs of a plain call,
-  within tolerance of the float64 oracle."""
-  errors = score(case, evaluate(impl, case))
+  within tolerance of the float64 oracle, and (bias.py) without a systematic
+  shift of their rounding."""
+  result = evaluate(impl, case)
+  errors = score(case, result)
+  oracle, _ = baseline(case)
+  stats = {}
+  for e in errors:
+    stats[e.name] = BiasStats.of(signed_ulps(result[e.name], oracle[e.name],
+                                             output_dtype(e.name, case.dtype)))
+    e.bias = stats[e.name].to_dict()
   plain = score(case, evaluate_forward(impl, case), outputs=("out", "lse"))
   for e in plain:
     e.name = f"{e.name} (plain call)"
-  return _require(errors + plain, "implementation differs from the float64 oracle")
+  _require(errors + plain, "implementation differs from the float64 oracle")
+  biased = {name: v for name, v in verdicts(stats).items() if v["biased"]}
+  if biased:
+    raise PropertyFailure("a systematic shift of the rounding (bias.py): " + "; ".join(
+        f"{name}: mean {v['mean_ulps']:+.3f} ulp, {v['below']} toward zero and {v['above']} "
+        f"away of {v['n']}, Holm p = {v['p_holm']:.2e}" for name, v in biased.items()),
+        errors + plain)
+  return errors + plain
 
 
 def matches_oracle_under_x64(impl, case: Case):

@@ -67,6 +67,10 @@ def pytest_addoption(parser):
                        "shared by campaigns on several hosts)")
   group.addoption("--ua-compile-cache", default=None,
                   help="directory of JAX's persistent compilation cache")
+  group.addoption("--ua-save-baseline", default=None,
+                  help="write every case's error/tolerance per output here (a baseline)")
+  group.addoption("--ua-baseline", default=None,
+                  help="fail when errors grew significantly against this baseline's cases")
 
 
 def _check_options(config):
@@ -82,6 +86,13 @@ def _check_options(config):
   if report and not os.path.isdir(os.path.dirname(os.path.abspath(report))):
     raise pytest.UsageError(f"--ua-report {report}: no directory "
                             f"{os.path.dirname(os.path.abspath(report))}")
+  baseline = config.getoption("ua_baseline")
+  if baseline:
+    from .gates import load_baseline
+    try:
+      load_baseline(baseline)
+    except (OSError, ValueError) as exc:
+      raise pytest.UsageError(f"--ua-baseline {baseline}: {exc}") from exc
   failures = config.getoption("ua_failures")
   if os.path.exists(failures) and not os.path.isdir(failures):
     raise pytest.UsageError(f"--ua-failures {failures}: exists and is not a directory")
@@ -495,8 +506,10 @@ def pytest_sessionfinish(session):
   report = build_report(state.records, crashed, time.time() - state.started)
   from . import profiles
   report.update(impl=config.getoption("impl"), profile=profiles.active().name,
-                exit_status=int(session.exitstatus), host=socket.gethostname(),
-                commit=_commit())
+                host=socket.gethostname(), commit=_commit())
+  if _campaign_gates(config, state.records, report) and session.exitstatus == 0:
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+  report["exit_status"] = int(session.exitstatus)
   config.stash[_REPORT] = report
   path = config.getoption("ua_report")
   if path:
@@ -505,6 +518,24 @@ def pytest_sessionfinish(session):
 
 
 _REPORT = pytest.StashKey[dict]()
+
+
+def _campaign_gates(config, records: list[dict], report: dict) -> bool:
+  """Adds the campaign verdicts (gates.py) to ``report``: pooled bias, and the
+  comparison with --ua-baseline; writes --ua-save-baseline. True when one
+  fails."""
+  from . import gates
+  report["bias"] = gates.pooled_bias(records)
+  failed = any(v["biased"] for v in report["bias"].values())
+  baseline = config.getoption("ua_baseline")
+  if baseline:
+    report["baseline"] = gates.compare_with_baseline(gates.load_baseline(baseline), records)
+    failed |= any(v["regressed"] for v in report["baseline"].values())
+  save = config.getoption("ua_save_baseline")
+  if save:
+    gates.save_baseline(save, records, {"impl": report["impl"], "profile": report["profile"],
+                                        "commit": report["commit"]})
+  return failed
 
 
 def _commit() -> str | None:

@@ -43,6 +43,7 @@ class OutputError:
   nan_count: int
   inf_mismatch: int
   worst_index: tuple[int, ...]
+  bias: dict | None = None  # bias.BiasStats of the signed errors, where measured against the oracle
 
   @property
   def ratio(self) -> float:

@@ -139,7 +139,9 @@ class Verifier:
       return
     ratio = max((e.ratio for e in errors), default=0.0)
     self.record({"property": prop.name, "case": case.digest(), "oracle": prop.oracle,
-                 "groups": case.groups(),
+                 "groups": case.groups(), "dtype": case.dtype,
+                 "bias": {e.name: e.bias for e in errors if e.bias is not None},
+                 "ratios": {e.name: e.ratio if np.isfinite(e.ratio) else None for e in errors},
                  "status": status, "ratio": ratio if np.isfinite(ratio) else None,
                  "seconds": round(time.perf_counter() - start, 3), "replay": replay,
                  "failed_outputs": sorted(e.name for e in errors if not e.ok)})

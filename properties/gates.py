@@ -1,0 +1,119 @@
+"""Campaign-level verdicts over all cases of a run, besides each case's own:
+pooled bias per output and dtype (bias.py), and precision regressions against
+a saved baseline of the same cases (``--ua-save-baseline`` /
+``--ua-baseline``; ua-verify ``--save-baseline`` / ``--baseline``).
+
+A baseline holds each case's error/tolerance ratio per output. The ci profile
+is derandomized, so a later run draws the same cases; pairs are matched by
+property, case digest and output, and only matched pairs are compared. Per
+output and dtype, the paired log2 ratios new/old are tested for an increase
+with scipy.stats.wilcoxon (one-sided), Holm-corrected over the groups; a group
+regresses when that is significant and the mean ratio grew by at least
+REGRESSION_FLOOR. Identical code on the same backend gives identical ratios:
+no pair differs, and nothing is tested. docs/TOLERANCES.md, "Precision
+regressions".
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+
+from .bias import BiasStats, verdicts
+
+# A group regresses only if its errors grew by this factor (geometric mean) or more.
+REGRESSION_FLOOR = 1.25
+REGRESSION_ALPHA = 1e-3
+BASELINE_FORMAT = 1
+
+
+def _group(output: str, dtype: str) -> str:
+  return f"{output}/{dtype}"
+
+
+def pooled_bias(records: list[dict]) -> dict[str, dict]:
+  """bias.verdicts over the campaign: each output's signed-error counts summed
+  over every case per output and dtype (the plain call's outputs apart)."""
+  pooled: dict[str, BiasStats] = collections.defaultdict(BiasStats)
+  for r in records:
+    for output, stats in (r.get("bias") or {}).items():
+      pooled[_group(output, r["dtype"])] += BiasStats(**stats)
+  return verdicts(dict(sorted(pooled.items()))) if pooled else {}
+
+
+def baseline_entries(records: list[dict]) -> dict[str, dict]:
+  """{property/case digest: {dtype, ratios}} of the cases that passed."""
+  return {f"{r['property']}/{r['case']}": {"dtype": r["dtype"], "ratios": r["ratios"]}
+          for r in records if r["status"] == "passed" and r.get("ratios")}
+
+
+def save_baseline(path: str, records: list[dict], meta: dict) -> None:
+  with open(path, "w") as f:
+    json.dump({"format": BASELINE_FORMAT, **meta, "cases": baseline_entries(records)}, f,
+              indent=1, sort_keys=True)
+
+
+def load_baseline(path: str) -> dict:
+  with open(path) as f:
+    data = json.load(f)
+  if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT:
+    raise ValueError(f"{path} is not a baseline file of format {BASELINE_FORMAT} "
+                     f"(written by --ua-save-baseline)")
+  return data
+
+
+def _paired_log_ratios(baseline: dict, records: list[dict]) -> dict[str, list[float]]:
+  """Per output/dtype: log2(new / old) of every matched pair with both ratios
+  positive and finite."""
+  old_cases = baseline["cases"]
+  out = collections.defaultdict(list)
+  for key, entry in baseline_entries(records).items():
+    old = old_cases.get(key)
+    if old is None:
+      continue
+    for output, new_ratio in entry["ratios"].items():
+      old_ratio = old["ratios"].get(output)
+      if old_ratio and new_ratio and all(math.isfinite(x) and x > 0
+                                         for x in (old_ratio, new_ratio)):
+        out[_group(output, entry["dtype"])].append(math.log2(new_ratio / old_ratio))
+  return out
+
+
+def compare_with_baseline(baseline: dict, records: list[dict]) -> dict[str, dict]:
+  """Per output/dtype: matched pairs, the geometric mean of new/old, the
+  one-sided Wilcoxon p-value (Holm-adjusted over the groups that differ), and
+  ``regressed``."""
+  from scipy.stats import wilcoxon
+  groups = _paired_log_ratios(baseline, records)
+  p = {}
+  for name, logs in groups.items():
+    moved = [x for x in logs if x != 0.0]
+    p[name] = 1.0 if len(moved) < 2 else float(wilcoxon(moved, alternative="greater").pvalue)
+  order = sorted(p, key=p.get)
+  adjusted, running = {}, 0.0
+  for rank, name in enumerate(order):
+    running = max(running, min(1.0, (len(order) - rank) * p[name]))
+    adjusted[name] = running
+  out = {}
+  for name, logs in sorted(groups.items()):
+    growth = 2.0 ** (sum(logs) / len(logs))
+    out[name] = {"pairs": len(logs), "changed": sum(x != 0.0 for x in logs),
+                 "mean_growth": growth, "p_holm": adjusted[name],
+                 "regressed": adjusted[name] < REGRESSION_ALPHA and growth >= REGRESSION_FLOOR}
+  return out
+
+
+def summary_lines(report: dict) -> list[str]:
+  """The terminal lines of the campaign verdicts in ``report``."""
+  lines = []
+  for name, v in report.get("bias", {}).items():
+    flag = "BIASED" if v["biased"] else "ok"
+    lines.append(f"bias {name:18} {flag:6} mean {v['mean_ulps']:+.4f} ulp over {v['n']} "
+                 f"elements ({v['below']} toward zero, {v['above']} away), Holm p "
+                 f"{v['p_holm']:.2e}")
+  for name, v in report.get("baseline", {}).items():
+    flag = "REGRESSED" if v["regressed"] else "ok"
+    lines.append(f"baseline {name:14} {flag:9} err/tol x{v['mean_growth']:.3f} over "
+                 f"{v['pairs']} cases ({v['changed']} changed), Holm p {v['p_holm']:.2e}")
+  return lines
