@@ -244,7 +244,8 @@ def _case_file(case: dict, impl: str) -> tuple[str, str] | None:
   name = f"{case['property']}-{case['case']}.json"
   payload = {"property": case["property"], "impl": impl, "case": case["config"],
              "status": case.get("status", "passed"), "errors": [], "message": "",
-             "imports": case.get("imports", []), "versions": {},
+             "imports": case.get("imports", []),
+             "versions": {"backend": "not recorded (case file rebuilt from a report)"},
              "replay": replay_command(name, impl, case.get("imports", ()))}
   data = base64.b64encode(json.dumps(payload, indent=1, sort_keys=True).encode()).decode()
   return name, "data:application/json;base64," + data
