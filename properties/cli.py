@@ -110,6 +110,12 @@ def verify_main(argv=None) -> int:
   parser.add_argument("--merge", nargs="+", metavar="REPORT", default=None,
                       help="run nothing: merge these JSON reports (of several hosts) into "
                            "one, printed and written to --report")
+  parser.add_argument("--html", default=None, metavar="FILE",
+                      help="also write the report as one self-contained HTML page (needs "
+                           "matplotlib: the 'html' extra)")
+  parser.add_argument("--html-baseline", default=None, metavar="REPORT",
+                      help="with --html: a previous JSON report whose error/tolerance "
+                           "distributions the page shows beside this run's")
   parser.add_argument("--compile-cache", default=None,
                       help="JAX persistent compilation cache (gpu profile: .ua-jax-cache)")
   parser.add_argument("--import", dest="imports", default="",
@@ -121,8 +127,9 @@ def verify_main(argv=None) -> int:
   report_dir = os.path.dirname(os.path.abspath(args.report))
   if not os.path.isdir(report_dir):
     parser.error(f"--report {args.report}: no directory {report_dir}")
+  baseline = _check_html(parser, args)
   if args.merge:
-    return _merge(parser, args.merge, args.report)
+    return _merge(parser, args.merge, args.report, html=(args.html, args.html_baseline, baseline))
   from .databases import DatabaseOptionError, check_option
   for option, value in (("--database", args.database),
                         ("--shared-database", args.shared_database)):
@@ -175,10 +182,49 @@ def verify_main(argv=None) -> int:
             f"{', '.join(missing)}: the verdict covers the other properties only")
   print(f"\n{verdict}: {args.impl}, profile {args.profile}, {report.get('cases', 0)} cases "
         f"in {time.time() - start:.0f} s; {written}")
+  if args.html and report:
+    _write_html(args.html, report, args.html_baseline, baseline)
+  elif args.html:
+    print(f"no HTML page: no report to show ({args.html} not written)")
   return 0 if verdict == "PASS" else 1
 
 
-def _merge(parser, paths: list[str], out: str) -> int:
+def _check_html(parser, args) -> dict | None:
+  """--html and --html-baseline, checked before anything runs: matplotlib
+  present, the page's directory there, the baseline a readable report. Returns
+  the baseline report (None without one)."""
+  if args.html_baseline and not args.html:
+    parser.error("--html-baseline needs --html FILE")
+  if not args.html:
+    return None
+  from .html_report import MissingMatplotlib, require_matplotlib
+  try:
+    require_matplotlib()
+  except MissingMatplotlib as exc:
+    parser.error(str(exc))
+  html_dir = os.path.dirname(os.path.abspath(args.html))
+  if not os.path.isdir(html_dir):
+    parser.error(f"--html {args.html}: no directory {html_dir}")
+  if not args.html_baseline:
+    return None
+  try:
+    with open(args.html_baseline) as f:
+      baseline = json.load(f)
+  except (OSError, ValueError) as exc:
+    parser.error(f"--html-baseline {args.html_baseline}: not a readable JSON report "
+                 f"({type(exc).__name__}: {exc})")
+  if not isinstance(baseline, dict) or "properties" not in baseline:
+    parser.error(f"--html-baseline {args.html_baseline}: not a ua-verify report")
+  return baseline
+
+
+def _write_html(path: str, report: dict, baseline_path: str | None, baseline: dict | None):
+  from .html_report import write_html
+  write_html(path, report, baseline, baseline_path)
+  print(f"HTML report written to {path}")
+
+
+def _merge(parser, paths: list[str], out: str, html=(None, None, None)) -> int:
   """ua-verify --merge: the reports of several hosts as one (plugin.merge_reports)."""
   from .plugin import merge_reports, write_report
   reports = []
@@ -208,6 +254,8 @@ def _merge(parser, paths: list[str], out: str) -> int:
         f"{', '.join(merged['commits']) or '?'})"
         + (f"; failures in {', '.join(failed)}" if failed else "")
         + f"; merged report written to {out}")
+  if html[0]:
+    _write_html(html[0], merged, html[1], html[2])
   return 0 if verdict == "PASS" else 1
 
 

@@ -451,46 +451,103 @@ def _crashed_cases(failures_dir: str, since: float) -> list[dict]:
   return out
 
 
+# Per-row sums of a case's time: compile (tracing, lowering, compiling),
+# the rest, and compilations (properties/compile_clock.py).
+TIME_KEYS = ("compile_seconds", "run_seconds")
+WORST_CASES = 10  # the report's worst cases, with their configurations
+
+
+def _row() -> dict:
+  return {"cases": 0, "failures": 0, "harness_errors": 0, "worst_ratio": 0.0, "seconds": 0.0}
+
+
+def _add_time(row: dict, source: dict) -> None:
+  """Adds a record's (or a row's) seconds and, where it has them (reports
+  written before the split have not), its compile and run seconds,
+  compilations and persistent-cache hits to ``row``."""
+  row["seconds"] = round(row.get("seconds", 0.0) + source.get("seconds", 0.0), 3)
+  for key in TIME_KEYS:
+    if key in source:
+      row[key] = round(row.get(key, 0.0) + source[key], 3)
+  for key in ("compiled", "cache_hits"):
+    if key in source:
+      row[key] = row.get(key, 0) + source[key]
+
+
+def _ratio_key(ratio) -> float:
+  return float("inf") if ratio is None else ratio
+
+
+def case_record(r: dict) -> dict:
+  """What the report keeps of every case: enough for the distributions of
+  error/tolerance per output and dtype (properties/html_report.py) and the
+  time split, not the configuration."""
+  keys = ("property", "case", "oracle", "dtype", "status", "ratio", "ratios", "seconds",
+          "compile_seconds", "run_seconds", "compiled", "cache_hits", "host")
+  return {k: r[k] for k in keys if k in r}
+
+
+def worst_cases(records: list[dict], n: int = WORST_CASES) -> list[dict]:
+  """The ``n`` cases of largest error/tolerance, with their configuration and
+  replay command (a passed case's file is removed when it passes: its
+  configuration is what replays it)."""
+  keys = ("property", "case", "dtype", "status", "ratio", "ratios", "replay", "config",
+          "imports", "impl", "host")
+  worst = sorted(records, key=lambda r: _ratio_key(r.get("ratio")), reverse=True)[:n]
+  return [{k: r[k] for k in keys if k in r} for r in worst]
+
+
 def build_report(records: list[dict], crashed: list[dict], seconds: float) -> dict:
   """Per feature group and property: cases, failures, harness errors, worst
-  error/tolerance, seconds. A case run twice (Hypothesis replays a failing
-  example before it reports it) counts once, with its last outcome."""
+  error/tolerance, seconds, and of those seconds the compile and run seconds
+  and compilations (persistent-cache hits where the cache was on); every
+  case's record (case_record) and the worst cases (worst_cases). A case run
+  twice (Hypothesis replays a failing example before it reports it) counts
+  once, with its last outcome."""
   records = list({(r["property"], r["case"]): r for r in records}.values())
-
-  def table():
-    return collections.defaultdict(lambda: {"cases": 0, "failures": 0, "harness_errors": 0,
-                                            "worst_ratio": 0.0, "seconds": 0.0})
-  groups, props = table(), table()
-  failures, oracle_cases = [], 0
+  groups, props = collections.defaultdict(_row), collections.defaultdict(_row)
+  failures, oracle_cases, totals = [], 0, {}
   for r in records:
     oracle_cases += r["oracle"]
+    _add_time(totals, r)
     for row in [groups[g] for g in r["groups"]] + [props[r["property"]]]:
       row["cases"] += 1
       row["failures"] += r["status"] == "failed"
       row["harness_errors"] += r["status"] == "harness"
-      row["seconds"] = round(row["seconds"] + r["seconds"], 3)
-      ratio = r["ratio"]
-      row["worst_ratio"] = max(row["worst_ratio"], float("inf") if ratio is None else ratio)
+      _add_time(row, r)
+      row["worst_ratio"] = max(row["worst_ratio"], _ratio_key(r["ratio"]))
     if r["status"] != "passed":
       failures.append({k: r[k] for k in ("property", "status", "replay", "failed_outputs")})
   for c in crashed:
     props[c["property"]]["failures"] += 1
   minutes = max(seconds, 1e-9) / 60
+  totals.pop("seconds", None)
   return {"cases": len(records), "oracle_cases": oracle_cases, "seconds": round(seconds, 1),
           "cases_per_minute": round(len(records) / minutes, 1),
           "oracle_cases_per_minute": round(oracle_cases / minutes, 1),
+          **totals,
           "feature_groups": dict(sorted(groups.items())), "properties": dict(sorted(props.items())),
-          "failures": failures, "crashed": crashed}
+          "failures": failures, "crashed": crashed,
+          "worst_cases": worst_cases(records), "records": [case_record(r) for r in records]}
 
 
 def _print_table(write, title, table):
+  split = any("compile_seconds" in row for row in table.values())
+  hits = any("cache_hits" in row for row in table.values())
   write(f"\n{title:38} {'cases':>6} {'failures':>8} {'harness':>8} {'worst err/tol':>14} "
-        f"{'seconds':>8}\n")
+        f"{'seconds':>8}" + (f" {'compile s':>9} {'run s':>8} {'compiled':>8}" if split else "")
+        + (f" {'cache hits':>10}" if hits else "") + "\n")
   for name, row in table.items():
     ratio = row["worst_ratio"]
     ratio = "inf" if ratio == float("inf") else f"{ratio:.3f}"
+    timing = ""
+    if split:
+      timing += (f" {row.get('compile_seconds', 0.0):9.1f} {row.get('run_seconds', 0.0):8.1f} "
+                 f"{row.get('compiled', 0):8d}")
+    if hits:
+      timing += f" {row.get('cache_hits', 0):10d}"
     write(f"{name:38} {row['cases']:6d} {row['failures']:8d} {row['harness_errors']:8d} "
-          f"{ratio:>14} {row['seconds']:8.1f}\n")
+          f"{ratio:>14} {row['seconds']:8.1f}{timing}\n")
 
 
 def pytest_sessionfinish(session):
@@ -569,6 +626,11 @@ def write_report(write, report: dict) -> None:
   write(f"\n{report['cases']} cases ({report['oracle_cases']} against the oracle) in "
         f"{report['seconds']} s: {report['cases_per_minute']} cases/min, "
         f"{report['oracle_cases_per_minute']} oracle cases/min\n")
+  if "compile_seconds" in report:
+    hits = report.get("cache_hits")
+    write(f"case time: {report['compile_seconds']:.1f} s compiling ({report['compiled']} "
+          f"compilations{'' if hits is None else f', {hits} from the persistent cache'}), "
+          f"{report['run_seconds']:.1f} s running\n")
   seen = set()
   for f in report["failures"] + report["crashed"]:
     if f["replay"] not in seen:
@@ -593,18 +655,17 @@ def report_problems(report: dict) -> int:
 def merge_reports(reports: list[tuple[str, dict]]) -> dict:
   """One report from the reports of campaigns run side by side (``(path,
   report)`` pairs; a merged report's own sources count one by one): per
-  feature group and property the sums of cases, failures, harness errors and
-  seconds and the largest worst error/tolerance; the totals' sums, the
-  longest campaign's seconds and the sum of the rates; every failure and
-  crash, marked with its host; where each report came from (``merged_from``,
-  ``hosts``, ``commits``)."""
-  def table():
-    return collections.defaultdict(lambda: {"cases": 0, "failures": 0, "harness_errors": 0,
-                                            "worst_ratio": 0.0, "seconds": 0.0})
-  groups, props = table(), table()
-  sources, failures, crashed = [], [], []
+  feature group and property the sums of cases, failures, harness errors,
+  seconds, compile and run seconds, compilations and cache hits, and the
+  largest worst error/tolerance; the totals' sums, the longest campaign's
+  seconds and the sum of the rates; every failure and crash, and every case
+  record, marked with its host; the worst cases of all; where each report came
+  from (``merged_from``, ``hosts``, ``commits``)."""
+  groups, props = collections.defaultdict(_row), collections.defaultdict(_row)
+  sources, failures, crashed, records, worst = [], [], [], [], []
   totals = dict.fromkeys(("cases", "oracle_cases", "cases_per_minute",
                           "oracle_cases_per_minute"), 0)
+  timing = {}
   seconds, exit_status = 0.0, 0
   for path, report in reports:
     for key in ("feature_groups", "properties", "cases"):
@@ -623,21 +684,28 @@ def merge_reports(reports: list[tuple[str, dict]]) -> dict:
         out = merged[name]
         for key in ("cases", "failures", "harness_errors"):
           out[key] += row.get(key, 0)
-        out["seconds"] = round(out["seconds"] + row.get("seconds", 0.0), 3)
+        _add_time(out, row)
         ratio = row.get("worst_ratio")
         out["worst_ratio"] = max(out["worst_ratio"], float("inf") if ratio is None else ratio)
     failures += [dict(f, host=f.get("host", host)) for f in report.get("failures", ())]
     crashed += [dict(c, host=c.get("host", host)) for c in report.get("crashed", ())]
+    records += [dict(r, host=r.get("host", host)) for r in report.get("records", ())]
+    worst += [{"impl": report.get("impl"), **w, "host": w.get("host", host)}
+              for w in report.get("worst_cases", ())]
     for key in totals:
       totals[key] = round(totals[key] + report.get(key, 0), 1)
+    if "compile_seconds" in report:
+      _add_time(timing, report)
     seconds = max(seconds, report.get("seconds", 0.0))
     exit_status = exit_status or int(report.get("exit_status", 0) or 0)
+  timing.pop("seconds", None)
   distinct = lambda key: sorted({s[key] for s in sources if s.get(key)})
   impls, profiles_ = distinct("impl"), distinct("profile")
-  return {**totals, "seconds": seconds,
+  worst.sort(key=lambda w: _ratio_key(w.get("ratio")), reverse=True)
+  return {**totals, "seconds": seconds, **timing,
           "feature_groups": dict(sorted(groups.items())), "properties": dict(sorted(props.items())),
           "failures": failures, "crashed": crashed,
           "impl": impls[0] if len(impls) == 1 else impls,
           "profile": profiles_[0] if len(profiles_) == 1 else profiles_,
           "exit_status": exit_status, "hosts": distinct("host"), "commits": distinct("commit"),
-          "merged_from": sources}
+          "merged_from": sources, "worst_cases": worst[:WORST_CASES], "records": records}

@@ -24,6 +24,7 @@ import numpy as np
 
 from .capabilities import Implementation
 from .case import Case, write_case_file
+from .compile_clock import clock, persistent_cache_on
 from .registry import Property
 from .runner import HarnessError, baseline
 from .tolerance import OutputError
@@ -102,7 +103,7 @@ class Verifier:
         path, case, prop.name, self.impl.name, status=status, errors=errors,
         message=message, imports=self.imports, replay=replay)
     write("running")
-    start = time.perf_counter()
+    start = (time.perf_counter(), clock().mark())
     watchdog = _Watchdog(None, None)
     try:
       if prop.baseline:
@@ -135,13 +136,34 @@ class Verifier:
     return errors
 
   def _record(self, prop, case, status, errors, start, replay):
+    """One case's record for the report (plugin.build_report): its outcome,
+    worst error/tolerance overall and per output (None: not finite), and its
+    time split into compile_seconds (tracing, lowering and compiling: the
+    implementation's callables on a shape's first call, the oracle's and the
+    reference's executables; properties/compile_clock.py) and run_seconds (the
+    rest), with the compilations it needed (and, with JAX's persistent cache
+    on, how many of them the cache served)."""
     if self.record is None:
       return
-    ratio = max((e.ratio for e in errors), default=0.0)
-    self.record({"property": prop.name, "case": case.digest(), "oracle": prop.oracle,
-                 "groups": case.groups(), "dtype": case.dtype,
-                 "bias": {e.name: e.bias for e in errors if e.bias is not None},
-                 "ratios": {e.name: e.ratio if np.isfinite(e.ratio) else None for e in errors},
-                 "status": status, "ratio": ratio if np.isfinite(ratio) else None,
-                 "seconds": round(time.perf_counter() - start, 3), "replay": replay,
-                 "failed_outputs": sorted(e.name for e in errors if not e.ok)})
+    seconds = time.perf_counter() - start[0]
+    timing = clock().since(start[1])
+    compile_seconds = min(timing["compile_seconds"], seconds)
+    ratios = {}
+    for e in errors:  # an output compared twice ("out", "out (plain call)"): its worst
+      name = e.name.split(" ")[0]
+      ratios[name] = max(ratios.get(name, 0.0), e.ratio)
+    finite = lambda r: float(r) if np.isfinite(r) else None
+    ratio = max(ratios.values(), default=0.0)
+    record = {"property": prop.name, "case": case.digest(), "oracle": prop.oracle,
+              "groups": case.groups(), "dtype": case.dtype,
+              "bias": {e.name: e.bias for e in errors if e.bias is not None},
+              "status": status, "ratio": finite(ratio),
+              "ratios": {name: finite(r) for name, r in sorted(ratios.items())},
+              "seconds": round(seconds, 3), "compile_seconds": round(compile_seconds, 3),
+              "run_seconds": round(seconds - compile_seconds, 3),
+              "compiled": timing["compiled"], "replay": replay,
+              "failed_outputs": sorted(e.name for e in errors if not e.ok),
+              "config": case.to_dict(), "imports": list(self.imports)}
+    if persistent_cache_on():
+      record["cache_hits"] = timing["cache_hits"]
+    self.record(record)
