@@ -118,6 +118,12 @@ def verify_main(argv=None) -> int:
                            "distributions the page shows beside this run's")
   parser.add_argument("--compile-cache", default=None,
                       help="JAX persistent compilation cache (gpu profile: .ua-jax-cache)")
+  parser.add_argument("--save-baseline", default=None, metavar="FILE",
+                      help="write every case's error/tolerance per output to FILE (a "
+                           "precision baseline; the ci profile draws the same cases each run)")
+  parser.add_argument("--baseline", default=None, metavar="FILE",
+                      help="fail when the errors grew significantly against FILE's cases "
+                           "(written by --save-baseline)")
   parser.add_argument("--import", dest="imports", default="",
                       help="comma-separated modules that register cap methods")
   parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
@@ -161,7 +167,9 @@ def verify_main(argv=None) -> int:
                       ("--ua-oracle-chunks", chunks),
                       ("--ua-case-timeout", timeout), ("--ua-database", args.database),
                       ("--ua-shared-database", args.shared_database),
-                      ("--ua-compile-cache", cache)):
+                      ("--ua-compile-cache", cache),
+                      ("--ua-save-baseline", args.save_baseline),
+                      ("--ua-baseline", args.baseline)):
     if value is not None and value != "":
       pytest_args.append(f"{flag}={value}")
   if os.path.exists(args.report):

@@ -631,6 +631,9 @@ def write_report(write, report: dict) -> None:
     write(f"case time: {report['compile_seconds']:.1f} s compiling ({report['compiled']} "
           f"compilations{'' if hits is None else f', {hits} from the persistent cache'}), "
           f"{report['run_seconds']:.1f} s running\n")
+  from .gates import summary_lines
+  for line in summary_lines(report):
+    write(line + "\n")
   seen = set()
   for f in report["failures"] + report["crashed"]:
     if f["replay"] not in seen:
