@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from .bias import BiasStats, output_dtype, signed_ulps, verdicts
+from .bias import JUDGED_DTYPES, BiasStats, output_dtype, signed_ulps, verdicts
 from .capabilities import Implementation
 from .case import Case
 from .inputs import logit_scale, make_inputs
@@ -47,9 +47,10 @@ def matches_oracle(impl, case: Case):
   oracle, _ = baseline(case)
   stats = {}
   for e in errors:
-    stats[e.name] = BiasStats.of(signed_ulps(result[e.name], oracle[e.name],
-                                             output_dtype(e.name, case.dtype)))
-    e.bias = stats[e.name].to_dict()
+    dtype = output_dtype(e.name, case.dtype)
+    e.bias = BiasStats.of(signed_ulps(result[e.name], oracle[e.name], dtype)).to_dict()
+    if dtype in JUDGED_DTYPES:
+      stats[e.name] = BiasStats(**e.bias)
   plain = score(case, evaluate_forward(impl, case), outputs=("out", "lse"))
   for e in plain:
     e.name = f"{e.name} (plain call)"

@@ -20,7 +20,7 @@ import collections
 import json
 import math
 
-from .bias import BiasStats, verdicts
+from .bias import JUDGED_DTYPES, BiasStats, output_dtype, verdicts
 
 # A group regresses only if its errors grew by this factor (geometric mean) or more.
 REGRESSION_FLOOR = 1.25
@@ -33,12 +33,13 @@ def _group(output: str, dtype: str) -> str:
 
 
 def pooled_bias(records: list[dict]) -> dict[str, dict]:
-  """bias.verdicts over the campaign: each output's signed-error counts summed
-  over every case per output and dtype (the plain call's outputs apart)."""
+  """bias.verdicts over the campaign: each judged output's signed-error counts
+  summed over every case per output and dtype."""
   pooled: dict[str, BiasStats] = collections.defaultdict(BiasStats)
   for r in records:
     for output, stats in (r.get("bias") or {}).items():
-      pooled[_group(output, r["dtype"])] += BiasStats(**stats)
+      if output_dtype(output, r["dtype"]) in JUDGED_DTYPES:
+        pooled[_group(output, r["dtype"])] += BiasStats(**stats)
   return verdicts(dict(sorted(pooled.items()))) if pooled else {}
 
 

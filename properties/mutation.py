@@ -167,6 +167,25 @@ MUTANTS = [
            "conditions.append(k_pos.astype(jnp.bfloat16) <= q_pos.astype(jnp.bfloat16))",
            "causal positions compared in bfloat16 (exact up to 256): beyond T = 256 a query "
            "sees up to T/256 - 1 future keys, each of weight about 1/T"),
+    Mutant("S2", KERNELS, "  o_ref[...] = out.astype(o_ref.dtype)\n",
+           "  if jnp.dtype(o_ref.dtype) == jnp.dtype(jnp.bfloat16):\n"
+           "    out = lax.bitcast_convert_type(lax.bitcast_convert_type(\n"
+           "        out.astype(jnp.float32), jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)\n"
+           "  o_ref[...] = out.astype(o_ref.dtype)\n",
+           "bfloat16 forward outputs rounded toward zero, not to nearest: within one ulp of every "
+           "element, every element biased toward zero"),
+    Mutant("S3", TILE_MATH, "  return scaled.astype(dtype), 1.0 / scale",
+           "  return scaled.astype(jnp.bfloat16).astype(dtype), 1.0 / scale",
+           "float16 ds rounded through bfloat16 (3 significand bits fewer): dq and dk errors grow "
+           "several-fold, inside the bound"),
+    Mutant("S4", TILE_MATH, "    ds = ds * cap_grad(logits.cap_arg, *logits.cap_params)\n",
+           "    ds = ds * (1.0 if spec.cap_method == 'hard' else\n"
+           "               cap_grad(logits.cap_arg, *logits.cap_params))\n",
+           "hard cap's gradient passed straight through (1 beyond the cap instead of 0)"),
+    Mutant("S5", ATTENTION, "  q, k, v = (_pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))",
+           "  q, k, v = (_pad(x[..., :128], {1: seq_pad, 3: head_dim}) for x in (q, k, v))",
+           "head-dim columns beyond 128 dropped from q, k and v (a kernel written for D <= 128): "
+           "wrong only for D > 128"),
 ]
 
 # The black-box suite (what runs against any --impl): saved regressions first,

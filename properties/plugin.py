@@ -211,23 +211,29 @@ def property_tests(profile, oracle_chunks: int | None = None) -> list["PropertyT
   from .registry import PROPERTIES
   chunks = max(profile.oracle_chunks, oracle_chunks or 0)
   later, extra = [], []
-  for prop in PROPERTIES:
-    if prop.oracle and prop.per_dtype:
-      later += [PropertyTest(prop.name, dtype, chunk, chunks)
-                for chunk in range(1, profile.oracle_chunks) for dtype in DTYPES]
-      extra += [PropertyTest(prop.name, dtype, chunk, chunks)
-                for chunk in range(profile.oracle_chunks, chunks) for dtype in DTYPES]
-  return _first_round(chunks) + later + extra
+  for chunk in range(1, chunks):
+    tests = later if chunk < profile.oracle_chunks else extra
+    for prop in PROPERTIES:
+      if prop.oracle and prop.per_dtype:
+        tests += [PropertyTest(prop.name, dtype, chunk, chunks) for dtype in DTYPES]
+      elif prop.name in profile.chunked_properties and chunk < profile.oracle_chunks:
+        tests.append(PropertyTest(prop.name, None, chunk, profile.oracle_chunks))
+  return (_first_round(chunks, profile.chunked_properties, profile.oracle_chunks)
+          + later + extra)
 
 
-def _first_round(chunks: int) -> list["PropertyTest"]:
+def _first_round(chunks: int, chunked=(), oracle_chunks: int = 1) -> list["PropertyTest"]:
   """property_tests' first round (its tests of chunk 0, oracle chunks out of
-  ``chunks``): one test of every property, per dtype where it runs per dtype."""
+  ``chunks``, the profile's ``chunked`` properties' out of ``oracle_chunks``):
+  one test of every property, per dtype where it runs per dtype, then the
+  focused oracle tests."""
   from .capabilities import DTYPES
   from .registry import PROPERTIES
   first, focused = [], []
   for prop in PROPERTIES:
-    if not prop.per_dtype:
+    if prop.name in chunked:
+      first.append(PropertyTest(prop.name, None, 0, oracle_chunks))
+    elif not prop.per_dtype:
       first.append(PropertyTest(prop.name))
     elif not prop.oracle:
       first += [PropertyTest(prop.name, dtype) for dtype in DTYPES]
@@ -317,7 +323,7 @@ class Suite:
     buckets = self.profile.buckets
     if test.dtype is not None:
       buckets = dataclasses.replace(buckets, dtypes=(test.dtype,))
-    if prop.long or test.focus == "long":
+    if prop.name in self.profile.long_properties or test.focus == "long":
       buckets = _long(buckets, impl)
     require = prop.require | ({test.focus[len("mask-"):]} if test.focus.startswith("mask-")
                               else set())
@@ -350,6 +356,8 @@ class Suite:
 
     run = given(case=strategy)(body)
     examples = self.profile.examples(prop.examples, prop.oracle)
+    if prop.name in self.profile.chunked_properties:
+      examples = self.profile.chunked_examples
     if test.focus:
       examples = (self.profile.long_examples if test.focus == "long"
                   else self.profile.focus_examples)

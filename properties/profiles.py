@@ -30,7 +30,7 @@ class Buckets:
   max_seq_len: int = 1 << 14
   dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
   long_seq: int = 1 << 30                 # from this T on: B=1, at most 2 kv heads
-  # What the properties drawn on long sequences (registry's Property.long) draw
+  # What the properties drawn on long sequences (Profile.long_properties) draw
   # from instead of seq_lens and the tile edges.
   long_seq_lens: tuple[int, ...] = ()
   # Head dims drawn with them (those the implementation declares), up to the
@@ -92,6 +92,13 @@ class Profile:
   # mask kind and dtype), and of the long one per dtype.
   focus_examples: int = 2
   long_examples: int = 1
+  # Properties drawn on the long lengths and large head dims (Buckets.long_*).
+  long_properties: tuple[str, ...] = ("mask_is_exact",)
+  # Properties that run, like the oracle's, as ``oracle_chunks`` tests (of
+  # their own example budget each) after the first round, so that a campaign
+  # gives them a share of its cases, not one test's.
+  chunked_properties: tuple[str, ...] = ()
+  chunked_examples: int = 1  # examples of each of their tests
 
   @property
   def hypothesis_name(self) -> str:
@@ -118,11 +125,15 @@ PROFILES = {p.name: p for p in (
         focus_examples=20, long_examples=5),
     # The GPU campaign: compiled kernels at their own tiles; the oracle property
     # as 10 tests per dtype of 6 configurations x 6 input seeds (1080 oracle
-    # cases); no shrinking (a failure's case file replays it); saved failures
-    # replayed first.
+    # cases) and 7 focused tests per dtype of 2 x 6 (252); the exact mask and
+    # the hidden-key properties as 10 tests of 15 cases each, on lengths up to
+    # 16384 (each about a tenth of the cases); no shrinking (a failure's case
+    # file replays it); saved failures replayed first.
     Profile("gpu", BUCKETS["gpu"], 1.0, dict(
         derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate]),
-        oracle_chunks=10, oracle_examples=6, seeds=6),
+        oracle_chunks=10, oracle_examples=6, seeds=6,
+        long_properties=("mask_is_exact", "hidden_keys_do_not_leak"),
+        chunked_properties=("mask_is_exact", "hidden_keys_do_not_leak"), chunked_examples=15),
 )}
 
 

@@ -38,8 +38,6 @@ class Property:
   per_dtype: bool = False
   oracle: bool = False  # compares with the float64 oracle (counts as an oracle case)
   uses_cap_method: str | None = None  # a cap method the check itself calls with
-  # Drawn on the profile's long lengths (Buckets.long_seq_lens) instead of its usual ones.
-  long: bool = False
   # Whether the verifier computes the oracle's baseline first (the check scores
   # against it); a check with inputs of its own skips that cost.
   baseline: bool = True
@@ -77,7 +75,7 @@ PROPERTIES = (
              require=frozenset({"segment_ids"})),
     Property("hidden_keys_do_not_leak", checks.hidden_keys_do_not_leak, 5,
              any_of=frozenset({"causal", "window", "segment_ids"}), applies=_hides_a_key),
-    Property("mask_is_exact", mask_check.mask_is_exact, 4, long=True, baseline=False),
+    Property("mask_is_exact", mask_check.mask_is_exact, 4, baseline=False),
     Property("zero_z_loss_is_no_z_loss", checks.zero_z_loss_is_no_z_loss, 3),
     Property("unit_temperature_is_none", checks.unit_temperature_is_none, 3,
              require=frozenset({"temperature"})),

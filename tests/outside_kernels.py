@@ -4,6 +4,7 @@ loaded by the suite as ``outside_kernels:<name>`` (tests put this directory on
 PYTHONPATH), as a user's kernel would be.
 """
 
+import functools
 import os
 import time
 
@@ -92,3 +93,30 @@ def dk_off_when_causal_attention(q, k, v, **kwargs):
   if kwargs.get("causal") and q.shape[1] > 16:
     k = k + 0.5 * (k - jax.lax.stop_gradient(k))
   return ua_reference.attention(q, k, v, **kwargs)
+
+
+@functools.wraps(ua_reference.attention)
+def perturbed_reference_attention(q, k, v, **kwargs):
+  """The reference with float32 outputs scaled by 1 + 2^-21: errors a few
+  float32 ulps larger, far inside the bound (tests/test_gates.py's precision
+  regression)."""
+  result = ua_reference.attention(q, k, v, **kwargs)
+  scale = lambda x: x * (1 + 2.0 ** -21) if x.dtype == jnp.float32 else x
+  return tuple(scale(x) for x in result) if isinstance(result, tuple) else scale(result)
+
+
+@functools.wraps(ua_reference.attention)
+def toward_zero_reference_attention(q, k, v, **kwargs):
+  """The reference whose bfloat16 out is rounded toward zero instead of to
+  nearest: within one ulp of every element, every element biased toward zero
+  (its float32 result truncated to bfloat16's 8 significant bits)."""
+  if q.dtype != jnp.bfloat16:
+    return ua_reference.attention(q, k, v, **kwargs)
+  wide = ua_reference.attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                v.astype(jnp.float32), **kwargs)
+  out, rest = (wide[0], wide[1:]) if isinstance(wide, tuple) else (wide, ())
+  bits = jax.lax.bitcast_convert_type(out, jnp.uint32) & jnp.uint32(0xFFFF0000)
+  truncated = jax.lax.bitcast_convert_type(bits, jnp.float32)
+  # exact in bfloat16; the gradient passes as the identity's
+  out = (out + jax.lax.stop_gradient(truncated - out)).astype(jnp.bfloat16)
+  return (out, *rest) if rest else out

@@ -1,0 +1,99 @@
+"""The statistical verdicts (properties/bias.py, properties/gates.py): a
+planted rounding bias and a planted precision regression, each inside the
+max-abs bound, fail; rounding to nearest, exact results over float64 noise and
+identical reruns do not."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from properties import gates
+from properties.bias import BiasStats, signed_ulps, verdicts
+from test_suite_plugin import run_suite
+
+RNG = np.random.default_rng(0)
+
+
+def _rounded(x, toward_zero: bool):
+  """x (float64) in bfloat16, to nearest or toward zero."""
+  if not toward_zero:
+    return x.astype(ml_dtypes.bfloat16)
+  bits = x.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+  return bits.view(np.float32).astype(ml_dtypes.bfloat16)
+
+
+def test_rounding_toward_zero_is_biased_and_to_nearest_is_not():
+  oracle = RNG.normal(size=4000)
+  for toward_zero, biased in ((True, True), (False, False)):
+    ulps = signed_ulps(_rounded(oracle, toward_zero), oracle, "bfloat16")
+    assert np.all(np.abs(ulps) <= 1.0)  # within one ulp: inside any max-abs bound
+    verdict = verdicts({"out": BiasStats.of(ulps)})["out"]
+    assert verdict["biased"] is biased, verdict
+  assert verdicts({"out": BiasStats.of(signed_ulps(_rounded(oracle, True), oracle,
+                                                   "bfloat16"))})["out"]["mean_ulps"] < -0.4
+
+
+def test_exact_results_over_float64_noise_have_no_sign():
+  """A row of one visible key: dq is exactly 0, the oracle's 1e-16 of noise
+  (always of one sign on a case) must not count as an error toward zero."""
+  oracle = np.full(600, 1.5e-16)
+  stats = BiasStats.of(signed_ulps(np.zeros(600), oracle, "float16"))
+  assert stats.below == stats.above == 0
+  assert not verdicts({"dq": stats})["dq"]["biased"]
+
+
+def test_a_small_shift_below_the_floor_passes_however_significant():
+  oracle = RNG.normal(size=20000)
+  got = (oracle + 0.05 * np.abs(oracle) * 2.0 ** -7 * np.sign(oracle)).astype(np.float64)
+  verdict = verdicts({"out": BiasStats.of(signed_ulps(got, oracle, "bfloat16"))})["out"]
+  assert verdict["p_holm"] < 1e-6 and not verdict["biased"], verdict
+
+
+def _records(ratios_by_case, dtype="float32"):
+  return [{"property": "matches_oracle", "case": f"c{i}", "status": "passed", "dtype": dtype,
+           "ratios": ratios} for i, ratios in enumerate(ratios_by_case)]
+
+
+def test_baseline_comparison_flags_a_doubled_error_only():
+  old = [{"out": r, "dq": 0.5 * r} for r in RNG.uniform(0.01, 0.3, 30)]
+  baseline = {"format": gates.BASELINE_FORMAT,
+              "cases": gates.baseline_entries(_records(old))}
+  same = gates.compare_with_baseline(baseline, _records(old))
+  assert not any(v["regressed"] for v in same.values())
+  assert all(v["changed"] == 0 for v in same.values())
+  doubled = [{"out": 2 * r["out"], "dq": r["dq"]} for r in old]
+  result = gates.compare_with_baseline(baseline, _records(doubled))
+  assert result["out/float32"]["regressed"] and result["out/float32"]["mean_growth"] == \
+      pytest.approx(2.0)
+  assert not result["dq/float32"]["regressed"]
+  slight = [{"out": 1.1 * r["out"], "dq": r["dq"]} for r in old]  # below the 1.25x floor
+  assert not gates.compare_with_baseline(baseline, _records(slight))["out/float32"]["regressed"]
+
+
+def test_a_run_fails_a_planted_bias_and_a_planted_precision_regression(tmp_path):
+  """End to end, with --ua-save-baseline / --ua-baseline: the reference's
+  cases saved as a baseline; the reference with float32 outputs scaled by
+  1 + 2^-21 passes every case's bound and fails the baseline; the reference
+  with bfloat16 out rounded toward zero passes every bound and fails the bias
+  verdict."""
+  baseline = tmp_path / "baseline.json"
+  select = ("-k", "matches_oracle-float32 and not cap and not mask and not long")
+  proc, report = run_suite(tmp_path, "ua_reference:attention", *select,
+                           f"--ua-save-baseline={baseline}")
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  saved = json.loads(baseline.read_text())
+  assert len(saved["cases"]) >= 12
+  proc, report = run_suite(tmp_path, "outside_kernels:perturbed_reference_attention", *select,
+                           f"--ua-baseline={baseline}")
+  assert proc.returncode == 1, proc.stdout[-3000:]
+  assert not report["failures"]  # every case within its bound
+  assert report["baseline"]["out/float32"]["regressed"], report["baseline"]
+  assert "REGRESSED" in proc.stdout
+  proc, report = run_suite(tmp_path, "outside_kernels:toward_zero_reference_attention",
+                           "-k", "matches_oracle-bfloat16 and not mask and not cap and not long")
+  assert proc.returncode == 1, proc.stdout[-3000:]
+  assert {f["property"] for f in report["failures"]} == {"matches_oracle"}, report["failures"]
+  assert report["bias"]["out/bfloat16"]["biased"], report["bias"]
+  assert not report["bias"]["dq/bfloat16"]["biased"], report["bias"]
