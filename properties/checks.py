@@ -13,7 +13,7 @@ from .bias import JUDGED_DTYPES, BiasStats, output_dtype, signed_ulps, verdicts
 from .capabilities import Implementation
 from .case import Case
 from .inputs import logit_scale, make_inputs
-from .runner import baseline, evaluate, evaluate_forward, score, x64
+from .runner import baseline, evaluate, evaluate_forward, reference_result, score, x64
 from .tolerance import OutputError, compare, error_table
 
 
@@ -45,10 +45,12 @@ def matches_oracle(impl, case: Case):
   result = evaluate(impl, case)
   errors = score(case, result)
   oracle, _ = baseline(case)
+  reference = reference_result(case)
   stats = {}
   for e in errors:
     dtype = output_dtype(e.name, case.dtype)
-    e.bias = BiasStats.of(signed_ulps(result[e.name], oracle[e.name], dtype)).to_dict()
+    e.bias = BiasStats.of(signed_ulps(result[e.name], oracle[e.name], dtype,
+                                      reference[e.name])).to_dict()
     if dtype in JUDGED_DTYPES:
       stats[e.name] = BiasStats(**e.bias)
   plain = score(case, evaluate_forward(impl, case), outputs=("out", "lse"))

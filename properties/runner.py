@@ -136,12 +136,24 @@ def _reference(case: Case, inputs: dict, float64: bool):
   return result, lse
 
 
-@functools.lru_cache(maxsize=4)  # float64 results of T=16k cases are GiBs
 def baseline(case: Case):
   """Oracle results, and per output (the reference's error, the floor).
 
   Raises HarnessError when either cannot be computed.
   """
+  oracle, _, bounds = _harness(case)
+  return oracle, bounds
+
+
+def reference_result(case: Case) -> dict:
+  """The same-precision reference's outputs on the case (computed with the
+  baseline, not again)."""
+  return _harness(case)[1]
+
+
+@functools.lru_cache(maxsize=4)  # float64 results of T=16k cases are GiBs
+def _harness(case: Case):
+  """(oracle, same-precision reference, bounds) of baseline."""
   inputs = make_inputs(case)
   try:
     with x64(True):
@@ -153,7 +165,7 @@ def baseline(case: Case):
   floor = floors(case, inputs, oracle, float(np.max(np.abs(lse[np.isfinite(lse)]), initial=0.0)))
   bounds = {name: (reference_error(ref[name], oracle[name]), floor[name])
             for name in OUTPUTS if oracle.get(name) is not None}
-  return oracle, bounds
+  return oracle, ref, bounds
 
 
 def score(case: Case, result: dict, *, slack: float = 1.0, expected: dict | None = None,

@@ -75,7 +75,7 @@ def test_baseline_comparison_flags_a_doubled_error_only():
 def test_a_run_fails_a_planted_bias_and_a_planted_precision_regression(tmp_path):
   """End to end, with --ua-save-baseline / --ua-baseline: the reference's
   cases saved as a baseline; the reference with float32 outputs scaled by
-  1 + 2^-21 passes every case's bound and fails the baseline; the reference
+  1 + 2^-22 passes every case's bound and fails the baseline; the reference
   with bfloat16 out rounded toward zero passes every bound and fails the bias
   verdict."""
   baseline = tmp_path / "baseline.json"
