@@ -4,10 +4,10 @@ registry (ua_reference.caps), or a registered fast form.
 A fast form is used for bfloat16 inputs only, whose outputs are rounded to
 2^-9 relative anyway (ua_kernels.attention._fast_cap says why not float16).
 The tanh family's fast form is one ``tanh.approx.f32`` instruction
-(ua_kernels.fast_math, about 2^-11 relative): on the H200 an accurate tanh, two
-multi-function-unit operations per logit on top of the softmax's exp2, cost
-the forward about 35% of its speed (docs/BENCHMARKS.md, "What moved the
-forward"). The kernels declare these forms to the suite (``ua_cap_forms``), which
+(ua_kernels.fast_math, about 2^-11 relative) where an accurate tanh takes two
+multi-function-unit operations per logit on top of the softmax's exp2
+(docs/BENCHMARKS.md, "What moved the forward, measured", says what that
+costs). The kernels declare these forms to the suite (``ua_cap_forms``), which
 holds them to properties.cap_checks.FORM_TOLERANCE of the exact ones; the
 bfloat16 properties hold the kernels that use them to the same tolerances as
 everything else.

@@ -6,10 +6,9 @@ libdevice's ``__nv_exp2f``: the same instruction without ``.ftz``, for which
 the assembler adds a range check and two conditional multiplies around it to
 produce subnormal results. Softmax probabilities below 2^-126 are negligible
 against a row sum of at least 1 (or, under a fixed shift, 2^-50; tile_math), so
-flushing them to zero changes nothing the tolerances see. On an H200 it made
-the no-cap forward 1.7% (full) and 3.1% (causal) faster, the tanh-capped one
-4.2% and 2.0%, forward+backward 3.5% and 3.2%, with outputs bit-identical
-(docs/BENCHMARKS.md, "What moved the forward"). On the CPU the
+flushing them to zero changes nothing the tolerances see; it made the forward
+and backward faster with outputs bit-identical (docs/BENCHMARKS.md, "What
+moved the forward, measured"). On the CPU the
 function is ``jnp.exp2``; XLA:CPU flushes subnormals too, so both give 0 below
 2^-126.
 
@@ -26,7 +25,7 @@ enters around each compiled (non-interpreted) pallas_call, naming the backend:
 Pallas-Triton takes the inline PTX above; Pallas Mosaic GPU has no inline
 elementwise assembly, and instead compiles ``jnp.exp2``/``jnp.tanh``/``jnp.log``
 to the same ``.approx`` instructions when the kernel is built with
-``approx_math`` (ua_kernels.mosaic_forward decides when it may be).
+``approx_math`` (mosaic_common.approx_math decides when it may be).
 """
 
 from __future__ import annotations

@@ -1,26 +1,35 @@
 """The backward kernels on Pallas Mosaic GPU, for Hopper (sm90): dq, and dk/dv
 summed over a GQA group.
 
-Both have the forward's structure (ua_kernels.mosaic_forward): a program has
-two compute warpgroups, each owning one tile, and a third that only issues TMA
-copies of the streamed tiles into a ring of ``stages`` shared-memory slots. A
-slot has a "loaded" barrier per buffer (TMA arrives) and one "free" barrier
-that both compute warpgroups arrive at when done with it. A compute warpgroup
-passes over the streamed tiles outside its own range ("drain"), as in the
+``backward`` pads the inputs and calls two of the four kernels, each with a
+BackwardParams (its static parameters, holding its TileShape) and the scratch
+of ``dq_scratch``/``dkv_scratch`` for that shape: ``dq_kernel`` and
+``dkv_kernel``, or above head dim 128 ``dq_halves_kernel`` and
+``dkv_halves_kernel``. ``halves_shared_memory`` and ``unsupported`` count the
+halves kernels' shared memory from the same scratch lists
+(mosaic_common.scratch_bytes).
+
+All four have the forward's structure (ua_kernels.mosaic_forward): a program
+has two compute warpgroups and a third that only issues TMA copies of the
+streamed tiles into a ring of ``stages`` shared-memory slots
+(mosaic_common.producer_ring). A slot has a "loaded" barrier per buffer (TMA
+arrives) and one "free" barrier that both compute warpgroups arrive at when
+done with it. In dq_kernel and dkv_kernel each compute warpgroup owns one tile
+and passes over the streamed tiles outside its own range ("drain"), as in the
 forward, since a barrier's phase is tracked by each waiting thread.
 
-dq: a program owns 2 * block_q query rows of one query head and streams the
-key and value tiles of their range: s = Q K^T and dp = dO V^T by wgmma, then
-dq += ds K.
+dq: a program owns query rows of one query head and streams the key and
+value tiles of their range: s = Q K^T and dp = dO V^T by wgmma, then
+dq += ds K (``_dq_step``).
 
-dk/dv: a program owns 2 * block_kv keys of one kv head and streams, for every
-query tile of their range and every query head of the group (the group sum
-happens in registers; no repeated K/V), the tiles of Q and dO and the
-per-query rows (lse, delta, temperature) in one TMA copy. wgmma's A operand
-comes from shared memory or registers and its B from shared memory, so the
-kernel scores keys against queries, sT = K Q^T, and takes pT and dsT from
-registers for dv += pT dO and dk += dsT Q: its tiles hold queries along axis 1
-(tile_math's ``query_axis``).
+dk/dv: a program owns keys of one kv head and streams, for every query tile
+of their range and every query head of the group (the group sum happens in
+registers; no repeated K/V), the tiles of Q and dO and the per-query rows
+(lse, delta, temperature) in one TMA copy. wgmma's A operand comes from
+shared memory or registers and its B from shared memory, so the kernel scores
+keys against queries, sT = K Q^T, and takes pT and dsT from registers for
+dv += pT dO and dk += dsT Q (``_dkv_step``): its tiles hold queries along
+axis 1 (tile_math's ``query_axis``).
 
 Every rule of the contract comes from tile_math, shared with the Triton
 kernels: scores_to_logits and visible_mask (through mosaic_common.tile_logits,
@@ -34,12 +43,16 @@ Head dims above 128 (up to 256, padded to 256): one warpgroup's dk and dv of
 64 keys (or dq of 64 rows) would need 256 registers per thread, so
 dq_halves_kernel and dkv_halves_kernel give a program one tile and each compute
 warpgroup one half of the gradients' columns; both warpgroups compute the
-scores and dp of the tile over the whole head dim.
+scores and dp of the tile over the whole head dim. They share the steps
+(``_dq_step``, ``_dkv_step``, whose ``part`` picks the column half) and the
+memory warpgroups with the others; a program of one tile needs no drain.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +63,8 @@ from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
 from .kernel_config import MosaicTiles
-from .mosaic_common import (load_vector, own_tiles, program_spans, tile_logits,
-                            program_tiles, tile_span)
+from .mosaic_common import (RingCopy, load_vector, own_tiles, program_spans, program_tiles,
+                            ring_slot, tile_logits, tile_span)
 from .padding import pad
 from .segment_spans import tile_ranges
 from .tile_math import (kv_tiles, logits_grad, matmul_operand, probabilities, q_tiles,
@@ -62,6 +75,8 @@ MAX_HEAD_DIM = 256
 # two compute warpgroups (dq_halves_kernel, dkv_halves_kernel), on a head dim
 # padded to 2 * 128.
 HALVES_ABOVE = 128
+# The per-query rows' order in the rows array and ring (lse2, delta, temperature).
+LSE, DELTA, TEMP = 0, 1, 2
 
 
 def unsupported(spec: StaticSpec, dtype, tiles: MosaicTiles | None = None) -> str | None:
@@ -83,27 +98,130 @@ def unsupported(spec: StaticSpec, dtype, tiles: MosaicTiles | None = None) -> st
 
 def halves_shared_memory(tiles: MosaicTiles, itemsize: int) -> int:
   """Shared memory (bytes) of the larger of dq_halves_kernel and
-  dkv_halves_kernel with ``tiles``, as their scratch below declares it
-  (head dim 2 * HALVES_ABOVE, three per-query rows, 8-byte barriers). Tiles
-  that pass MosaicTiles' validation can exceed a block's shared memory here
-  (128-row tiles, three stages), which the dispatch sends to Triton.
+  dkv_halves_kernel with ``tiles``: mosaic_common.scratch_bytes of their
+  scratch lists (dq_scratch, dkv_scratch) at head dim 2 * HALVES_ABOVE, with
+  three per-query rows (temperature's too), for inputs of ``itemsize`` bytes.
+  Tiles that pass MosaicTiles' validation can exceed a block's shared memory
+  here (128-row tiles, three stages), which the dispatch sends to Triton.
   ``tiles`` filled (tuned_configs.effective_config)."""
   tiles.require_filled("mosaic_backward.halves_shared_memory")
-  head_dim, stages = 2 * HALVES_ABOVE, tiles.stages_bwd
-  bkv_halves = min(tiles.block_kv_dq, 64)
-  dq = (2 * 2 * tiles.block_q_dq * (head_dim // 2) * itemsize
-        + 2 * stages * bkv_halves * head_dim * itemsize
-        + (5 + 3 * stages) * mosaic_common.BARRIER_BYTES)
-  dkv = (2 * 2 * tiles.block_kv_dkv * (head_dim // 2) * itemsize
-         + 2 * stages * tiles.block_q_dkv * head_dim * itemsize
-         + stages * 3 * tiles.block_q_dkv * 4
-         + (5 + 4 * stages) * mosaic_common.BARRIER_BYTES)
-  return max(dq, dkv)
+  dq, dkv = tile_shapes(tiles, jnp.dtype(f"float{8 * itemsize}"), 2 * HALVES_ABOVE,
+                        num_rows=3, halves=True)
+  return max(mosaic_common.scratch_bytes(dq_scratch(dq)),
+             mosaic_common.scratch_bytes(dkv_scratch(dkv)))
 
 
-def _accumulate(plgpu, acc, a, b_smem, back):
+@dataclasses.dataclass(frozen=True)
+class TileShape:
+  """The static shape of one backward kernel (dq or dk/dv), on which its
+  scratch (dq_scratch, dkv_scratch) and grid depend."""
+  dtype: Any
+  head_dim: int         # padded; 2 * HALVES_ABOVE for the halves kernels
+  block_q: int
+  block_kv: int
+  stages: int
+  num_rows: int         # per-query rows: lse2, delta (and temperature)
+  halves: bool          # each compute warpgroup owns one half of the columns
+
+  @property
+  def half(self) -> int:
+    return self.head_dim // 2
+
+
+def tile_shapes(tiles: MosaicTiles, dtype, head_dim: int, *, num_rows: int,
+                halves: bool) -> tuple[TileShape, TileShape]:
+  """The dq and dk/dv kernels' TileShapes of a call. The dq halves kernel
+  streams at most 64 keys per tile (two stages of 128 keys at head dim 256 do
+  not fit beside the query halves)."""
+  shape = functools.partial(TileShape, jnp.dtype(dtype), head_dim, stages=tiles.stages_bwd,
+                            num_rows=num_rows, halves=halves)
+  bkv_dq = min(tiles.block_kv_dq, 64) if halves else tiles.block_kv_dq
+  return (shape(block_q=tiles.block_q_dq, block_kv=bkv_dq),
+          shape(block_q=tiles.block_q_dkv, block_kv=tiles.block_kv_dkv))
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardParams:
+  """The static parameters of one backward kernel: the contract's rules
+  (``spec``; ``spec_padded`` is it over the padded length, which tile ranges
+  count over), the options, and the kernel's TileShape."""
+  spec: StaticSpec
+  spec_padded: StaticSpec
+  padded: bool          # the sequence is padded (visible_mask hides the padding)
+  has_temp: bool
+  fast_cap: bool
+  shape: TileShape
+
+  @property
+  def group(self) -> int:
+    return self.spec.group_size
+
+
+def dq_scratch(shape: TileShape) -> list:
+  """The shared memory of dq_kernel, or with ``shape.halves`` dq_halves_kernel:
+  Q and dO (two tiles, or two column halves of one tile), the K and V rings;
+  then the barriers: Q and dO loaded (one per tile, or one per half of each),
+  K and V loaded per slot, the slot's release; the halves kernel's
+  "gradients computed" barrier."""
+  plgpu = mosaic_common.plgpu()
+  swizzled = mosaic_common.swizzled()
+  own = (2, shape.block_q, shape.half if shape.halves else shape.head_dim)
+  ring = (shape.stages, shape.block_kv, shape.head_dim)
+  smem = [plgpu.SMEM(own, shape.dtype, transforms=swizzled),
+          plgpu.SMEM(own, shape.dtype, transforms=swizzled),
+          plgpu.SMEM(ring, shape.dtype, transforms=swizzled),
+          plgpu.SMEM(ring, shape.dtype, transforms=swizzled)]
+  ring_barriers = [plgpu.Barrier(num_barriers=shape.stages),
+                   plgpu.Barrier(num_barriers=shape.stages),
+                   plgpu.Barrier(num_arrivals=2, num_barriers=shape.stages)]
+  if shape.halves:
+    return [*smem, plgpu.Barrier(num_barriers=4), *ring_barriers,
+            plgpu.Barrier(num_arrivals=2)]
+  return [*smem, plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
+          *ring_barriers]
+
+
+def dkv_scratch(shape: TileShape) -> list:
+  """The shared memory of dkv_kernel, or with ``shape.halves``
+  dkv_halves_kernel: K and V (two tiles, or two column halves of one tile),
+  the Q, dO and per-query rows rings; then the barriers: K and V loaded (one
+  per tile, or one per half of each), Q, dO and rows loaded per slot, the
+  slot's release; the halves kernel's "gradients computed" barrier."""
+  plgpu = mosaic_common.plgpu()
+  swizzled = mosaic_common.swizzled()
+  own = (2, shape.block_kv, shape.half if shape.halves else shape.head_dim)
+  ring = (shape.stages, shape.block_q, shape.head_dim)
+  smem = [plgpu.SMEM(own, shape.dtype, transforms=swizzled),
+          plgpu.SMEM(own, shape.dtype, transforms=swizzled),
+          plgpu.SMEM(ring, shape.dtype, transforms=swizzled),
+          plgpu.SMEM(ring, shape.dtype, transforms=swizzled),
+          plgpu.SMEM((shape.stages, shape.num_rows, shape.block_q), jnp.float32)]
+  ring_barriers = [plgpu.Barrier(num_barriers=shape.stages),
+                   plgpu.Barrier(num_barriers=shape.stages),
+                   plgpu.Barrier(num_barriers=shape.stages),
+                   plgpu.Barrier(num_arrivals=2, num_barriers=shape.stages)]
+  if shape.halves:
+    return [*smem, plgpu.Barrier(num_barriers=4), *ring_barriers,
+            plgpu.Barrier(num_arrivals=2)]
+  return [*smem, plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
+          *ring_barriers]
+
+
+# --- helpers of the four kernels ------------------------------------------------------
+
+def _column_half(part: int, half: int):
+  return pl.ds(part * half, half)
+
+
+def _ring_columns(ring, s, part, half: int):
+  """Slot ``s`` of ``ring``, whole (``part`` None) or its column half ``part``."""
+  return ring.at[s] if part is None else ring.at[s, :, _column_half(part, half)]
+
+
+def _accumulate(acc, a, b_smem, back):
   """acc + a @ b by wgmma; with matmul_operand's factor ``back`` the product
   is taken from zero and its rows scaled back before the sum."""
+  plgpu = mosaic_common.plgpu()
   product = lambda acc_ref: plgpu.wgmma(acc_ref, a, b_smem)
   if back is None:
     return pl.run_state(product)(plgpu.ACC.init(acc))
@@ -111,15 +229,407 @@ def _accumulate(plgpu, acc, a, b_smem, back):
   return acc + scaled_back(pl.run_state(product)(plgpu.ACC.init(zeros)), back)
 
 
-def _scores_pair(plgpu, a1, b1, a2, b2, shape):
-  """(a1 @ b1, a2 @ b2) in float32, both wgmmas issued before either is waited for."""
+def _scores_pair(a_parts, b_ring, c_parts, d_ring, s, shape, half: int):
+  """(A B^T, C D^T) in float32, A and C the program's own tiles, B and D slot
+  ``s`` of the streamed rings, all wgmmas issued before either is waited for.
+  ``a_parts`` and ``c_parts`` are (operand, column half or None): one whole
+  tile, or the two column halves of the halves kernels, each against the
+  same columns of the ring's slot."""
+  plgpu = mosaic_common.plgpu()
+  b_parts = [_ring_columns(b_ring, s, part, half).transpose((1, 0)) for _, part in a_parts]
+  d_parts = [_ring_columns(d_ring, s, part, half).transpose((1, 0)) for _, part in c_parts]
+
   def both(acc1, acc2):
-    plgpu.wgmma(acc1, a1, b1)
-    plgpu.wgmma(acc2, a2, b2)
+    for (a, _), b, (c, _), d in zip(a_parts, b_parts, c_parts, d_parts):
+      plgpu.wgmma(acc1, a, b)
+      plgpu.wgmma(acc2, c, d)
     return acc1[...], acc2[...]
 
   return pl.run_scoped(both, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
+
+def _own_parts(own_smem, part):
+  """The own tile's scores operands: the whole tile (``part`` None: own_smem
+  is the warpgroup's tile) or both column halves (own_smem holds them)."""
+  if part is None:
+    return ((own_smem, None),)
+  return tuple((own_smem.at[c], c) for c in range(2))
+
+
+def _query_rows(p: BackwardParams, load):
+  """(lse2, delta, temperature or None) of a tile's queries; ``load(i)`` reads
+  per-query row i."""
+  lse2_q, delta_q = load(LSE), load(DELTA)
+  return lse2_q, delta_q, load(TEMP) if p.has_temp else None
+
+
+def _load_halves(refs, halves, own, loaded, half: int):
+  """The program's own tiles of ``refs`` into their [2, rows, half]
+  buffers, buffer i's half c arriving at barrier 2 * i + c."""
+  plgpu = mosaic_common.plgpu()
+  for c in range(2):
+    for i, (ref, buffer) in enumerate(zip(refs, halves)):
+      plgpu.copy_gmem_to_smem(ref.at[own + (_column_half(c, half),)], buffer.at[c],
+                              loaded.at[2 * i + c])
+
+
+def _store_halves(p: BackwardParams, part: int, computed, outputs, own):
+  """Warpgroup ``part``'s half of each gradient in ``outputs`` (the own
+  tiles' halves buffer, which holds it on its way out; the output ref; the
+  value) written out, once both warpgroups are done reading the own tiles."""
+  plgpu = mosaic_common.plgpu()
+  plgpu.barrier_arrive(computed)
+  plgpu.barrier_wait(computed)
+  for halves, _, value in outputs:
+    halves[part] = value.astype(p.shape.dtype)
+  plgpu.commit_smem()
+  for halves, ref, _ in outputs:
+    plgpu.copy_smem_to_gmem(halves.at[part], ref.at[own + (_column_half(part, p.shape.half),)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _run_halves(wg, compute, memory):
+  """Warpgroups 0 and 1 run ``compute(part)`` for their half, 2 ``memory()``."""
+  plgpu = mosaic_common.plgpu()
+  for part in (0, 1):
+    @pl.when(wg == part)
+    def _(part=part):
+      plgpu.set_max_registers(232, action="increase")
+      compute(part)
+
+  pl.when(wg == 2)(memory)
+
+
+# --- dq ---------------------------------------------------------------------------------
+
+class _KeyRing(NamedTuple):
+  """The dq kernels' ring of streamed K and V tiles, over key tiles [lo, hi)."""
+  lo: Any
+  hi: Any
+  k_smem: Any
+  v_smem: Any
+  k_loaded: Any
+  v_loaded: Any
+  kv_free: Any
+
+
+def _stream_keys(p: BackwardParams, ring: _KeyRing, k_ref, v_ref, bi, kv_head):
+  """The dq kernels' memory warpgroup: key tiles [lo, hi) into the ring."""
+  bkv = p.shape.block_kv
+
+  def locate(kb):
+    return (bi, pl.ds(kb * bkv, bkv), kv_head)
+
+  mosaic_common.producer_ring(ring.lo, ring.hi, p.shape.stages, locate, [
+      (ring.kv_free, [RingCopy(lambda keys: k_ref.at[keys], ring.k_smem, ring.k_loaded),
+                      RingCopy(lambda keys: v_ref.at[keys], ring.v_smem, ring.v_loaded)])])
+
+
+def _dq_step(p: BackwardParams, ring: _KeyRing, q_own, do_own, part, seg_ref, bi, q_start,
+             rows, kb, dq, masked):
+  """One key tile of a dq warpgroup: s = Q K^T and dp = dO V^T, then
+  dq += ds K, over the whole head dim (``part`` None) or dq's column half
+  ``part`` (``q_own``/``do_own`` then hold both halves)."""
+  plgpu = mosaic_common.plgpu()
+  shape = p.shape
+  lse2_q, delta_q, temp_q = rows
+  s = ring_slot(kb, ring.lo, shape.stages)
+  plgpu.barrier_wait(ring.k_loaded.at[s])
+  plgpu.barrier_wait(ring.v_loaded.at[s])
+  scores, dp = _scores_pair(_own_parts(q_own, part), ring.k_smem, _own_parts(do_own, part),
+                            ring.v_smem, s, (shape.block_q, shape.block_kv), shape.half)
+  logits = tile_logits(p.spec, scores, temp_q, q_start, kb * shape.block_kv, masked=masked,
+                       seg_ref=seg_ref, batch=bi, padded=p.padded, fast_cap=p.fast_cap)
+  probs = probabilities(logits, lse2_q)
+  ds = logits_grad(p.spec, probs, dp, delta_q, logits, temp_q, p.fast_cap)
+  ds16, back = matmul_operand(ds, shape.dtype, axis=1)
+  dq = _accumulate(dq, ds16, _ring_columns(ring.k_smem, s, part, shape.half), back)
+  plgpu.barrier_arrive(ring.kv_free.at[s])
+  return dq
+
+
+def dq_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref,
+              dq_ref, q_smem2, do_smem2, k_smem, v_smem,
+              q_loaded, do_loaded, k_loaded, v_loaded, kv_free):
+  """dq: a program owns 2 * block_q query rows of one query head, each compute
+  warpgroup one tile of block_q; the memory warpgroup streams the key and
+  value tiles of the hull of their ranges."""
+  plgpu = mosaic_common.plgpu()
+  bq, bkv = p.shape.block_q, p.shape.block_kv
+  bi = lax.axis_index("batch")
+  h = lax.axis_index("heads")
+  tile = lax.axis_index("q_tiles")
+  wg = lax.axis_index("wg")
+  kv_head = lax.div(h, jnp.int32(p.group))
+  hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
+  cta_lo, cta_hi = program_tiles(kv_tiles(
+      p.spec_padded, tile * 2 * bq, 2 * bq, bkv, p.padded, hull))
+  ring = _KeyRing(cta_lo, cta_hi, k_smem, v_smem, k_loaded, v_loaded, kv_free)
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+    q_start = tile * 2 * bq + wg * bq
+    own = (bi, pl.ds(q_start, bq), h)
+    plgpu.copy_gmem_to_smem(q_ref.at[own], q_smem, q_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[own], do_smem, do_loaded.at[wg])
+    rows = _query_rows(p, lambda i: load_vector(rows_ref.at[bi, h, i, pl.ds(q_start, bq)],
+                                                plgpu.Layout.WGMMA.reduce(1)))
+    plgpu.barrier_wait(q_loaded.at[wg])
+    plgpu.barrier_wait(do_loaded.at[wg])
+
+    def drain(kb, dq):
+      s = ring_slot(kb, cta_lo, p.shape.stages)
+      plgpu.barrier_wait(k_loaded.at[s])
+      plgpu.barrier_wait(v_loaded.at[s])
+      plgpu.barrier_arrive(kv_free.at[s])
+      return dq
+
+    def visit(kb, dq, masked):
+      return _dq_step(p, ring, q_smem, do_smem, None, seg_ref, bi, q_start, rows, kb, dq,
+                      masked)
+
+    dq = plgpu.layout_cast(jnp.zeros((bq, p.shape.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    tiles = own_tiles(kv_tiles(
+        p.spec_padded, q_start, bq, bkv, p.padded,
+        own_span, own_uniform), cta_lo, cta_hi)
+    dq = lax.fori_loop(cta_lo, tiles.lo, drain, dq)
+    dq = tile_loop(tiles, visit, dq)
+    dq = lax.fori_loop(tiles.hi, cta_hi, drain, dq)
+    q_smem[...] = dq.astype(p.shape.dtype)  # Q's buffer holds dq on its way out
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[own])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _memory():
+    _stream_keys(p, ring, k_ref, v_ref, bi, kv_head)
+
+
+def dq_halves_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref,
+                     spans_ref, dq_ref, q_halves, do_halves, k_smem, v_smem,
+                     qdo_loaded, k_loaded, v_loaded, kv_free, computed):
+  """dq at head dims above 128: a program owns block_q query rows, and each
+  compute warpgroup accumulates one half of dq's columns (dkv_halves_kernel's
+  split); both compute the scores and dp over the whole head dim. Key tiles
+  of at most 64 keys (tile_shapes), so that the K/V ring fits the shared
+  memory."""
+  plgpu = mosaic_common.plgpu()
+  bq, bkv = p.shape.block_q, p.shape.block_kv
+  bi = lax.axis_index("batch")
+  h = lax.axis_index("heads")
+  tile = lax.axis_index("q_tiles")
+  wg = lax.axis_index("wg")
+  kv_head = lax.div(h, jnp.int32(p.group))
+  q_start = tile * bq
+  tiles = kv_tiles(p.spec_padded, q_start, bq, bkv, p.padded,
+                   *tile_span(spans_ref, bi, tile))
+  lo, hi = program_tiles(tiles)
+  tiles = own_tiles(tiles, lo, hi)
+  ring = _KeyRing(lo, hi, k_smem, v_smem, k_loaded, v_loaded, kv_free)
+  own = (bi, pl.ds(q_start, bq), h)
+
+  def compute(part):
+    if part == 0:  # one warpgroup loads the shared Q and dO halves
+      _load_halves((q_ref, do_ref), (q_halves, do_halves), own, qdo_loaded, p.shape.half)
+    rows = _query_rows(p, lambda i: load_vector(rows_ref.at[bi, h, i, pl.ds(q_start, bq)],
+                                                plgpu.Layout.WGMMA.reduce(1)))
+    for i in range(4):
+      plgpu.barrier_wait(qdo_loaded.at[i])
+
+    def visit(kb, dq, masked):
+      return _dq_step(p, ring, q_halves, do_halves, part, seg_ref, bi, q_start, rows, kb, dq,
+                      masked)
+
+    dq = plgpu.layout_cast(jnp.zeros((bq, p.shape.half), jnp.float32), plgpu.Layout.WGMMA)
+    dq = tile_loop(tiles, visit, dq)
+    _store_halves(p, part, computed, [(q_halves, dq_ref, dq)], own)
+
+  _run_halves(wg, compute, lambda: _stream_keys(p, ring, k_ref, v_ref, bi, kv_head))
+
+
+# --- dk/dv ------------------------------------------------------------------------------
+
+class _QueryRing(NamedTuple):
+  """The dk/dv kernels' ring of streamed Q, dO and per-query rows tiles, over
+  steps [first, last): step n is query tile n // group of query head
+  kv_head * group + n % group."""
+  first: Any
+  last: Any
+  q_smem: Any
+  do_smem: Any
+  rows_smem: Any
+  q_loaded: Any
+  do_loaded: Any
+  rows_loaded: Any
+  q_free: Any
+
+
+def _stream_queries(p: BackwardParams, ring: _QueryRing, q_ref, do_ref, rows_ref, bi,
+                    kv_head):
+  """The dk/dv kernels' memory warpgroup: steps [first, last) into the ring."""
+  bq, group = p.shape.block_q, p.group
+
+  def locate(n):
+    qb = lax.div(n, jnp.int32(group))
+    h = kv_head * group + lax.rem(n, jnp.int32(group))
+    return qb, h, (bi, pl.ds(qb * bq, bq), h)
+
+  mosaic_common.producer_ring(ring.first, ring.last, p.shape.stages, locate, [
+      (ring.q_free, [
+          RingCopy(lambda where: q_ref.at[where[2]], ring.q_smem, ring.q_loaded),
+          RingCopy(lambda where: do_ref.at[where[2]], ring.do_smem, ring.do_loaded),
+          RingCopy(lambda where: rows_ref.at[bi, where[1], :, pl.ds(where[0] * bq, bq)],
+                   ring.rows_smem, ring.rows_loaded)])])
+
+
+def _dkv_step(p: BackwardParams, ring: _QueryRing, k_own, v_own, part, seg_ref, bi, k_start,
+              qb, g, carry, masked):
+  """One step of a dk/dv warpgroup (query tile ``qb`` of the group's query
+  head ``g``): sT = K Q^T and dpT = V dO^T, then dv += pT dO and dk += dsT Q,
+  over the whole head dim (``part`` None) or the gradients' column half
+  ``part`` (``k_own``/``v_own`` then hold both halves)."""
+  plgpu = mosaic_common.plgpu()
+  shape = p.shape
+  dk, dv = carry
+  s = ring_slot(qb * p.group + g, ring.first, shape.stages)
+  q_start = qb * shape.block_q
+  plgpu.barrier_wait(ring.q_loaded.at[s])
+  plgpu.barrier_wait(ring.do_loaded.at[s])
+  scores_t, dp_t = _scores_pair(_own_parts(k_own, part), ring.q_smem, _own_parts(v_own, part),
+                                ring.do_smem, s, (shape.block_kv, shape.block_q), shape.half)
+  plgpu.barrier_wait(ring.rows_loaded.at[s])
+  lse2_q, delta_q, temp_q = _query_rows(
+      p, lambda i: load_vector(ring.rows_smem.at[s, i], plgpu.Layout.WGMMA.reduce(0)))
+  logits = tile_logits(p.spec, scores_t, temp_q, q_start, k_start, masked=masked,
+                       seg_ref=seg_ref, batch=bi, padded=p.padded, fast_cap=p.fast_cap,
+                       query_axis=1)
+  p_t = probabilities(logits, lse2_q)
+  dv = _accumulate(dv, p_t.astype(shape.dtype),
+                   _ring_columns(ring.do_smem, s, part, shape.half), None)
+  ds_t = logits_grad(p.spec, p_t, dp_t, delta_q, logits, temp_q, p.fast_cap)
+  ds16, back = matmul_operand(ds_t, shape.dtype, axis=1)
+  dk = _accumulate(dk, ds16, _ring_columns(ring.q_smem, s, part, shape.half), back)
+  plgpu.barrier_arrive(ring.q_free.at[s])
+  return dk, dv
+
+
+def _group_steps(p: BackwardParams, step):
+  """tile_loop's visit of a query tile: ``step(qb, g, carry, masked)`` for
+  every query head g of the group."""
+  def query_tile(qb, carry, masked):
+    return lax.fori_loop(0, p.group, lambda g, c: step(qb, g, c, masked), carry)
+  return query_tile
+
+
+def dkv_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref,
+               dk_ref, dv_ref, k_smem2, v_smem2, q_smem, do_smem, rows_smem,
+               k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free):
+  """dk/dv: a program owns 2 * block_kv keys of one kv head, each compute
+  warpgroup one tile of block_kv; the memory warpgroup streams the query
+  tiles of the hull of their ranges, for every query head of the group."""
+  plgpu = mosaic_common.plgpu()
+  bq, bkv, group = p.shape.block_q, p.shape.block_kv, p.group
+  bi = lax.axis_index("batch")
+  kv_head = lax.axis_index("heads")
+  tile = lax.axis_index("kv_tiles")
+  wg = lax.axis_index("wg")
+  hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
+  cta_lo, cta_hi = program_tiles(q_tiles(
+      p.spec_padded, tile * 2 * bkv, bq, 2 * bkv, p.padded, hull))
+  first, last = cta_lo * group, cta_hi * group
+  ring = _QueryRing(first, last, q_smem, do_smem, rows_smem, q_loaded, do_loaded,
+                    rows_loaded, q_free)
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+    k_start = tile * 2 * bkv + wg * bkv
+    own = (bi, pl.ds(k_start, bkv), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem, k_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem, v_loaded.at[wg])
+    plgpu.barrier_wait(k_loaded.at[wg])
+    plgpu.barrier_wait(v_loaded.at[wg])
+
+    def drain(n, carry):
+      s = ring_slot(n, first, p.shape.stages)
+      plgpu.barrier_wait(q_loaded.at[s])
+      plgpu.barrier_wait(do_loaded.at[s])
+      plgpu.barrier_wait(rows_loaded.at[s])
+      plgpu.barrier_arrive(q_free.at[s])
+      return carry
+
+    def step(qb, g, carry, masked):
+      return _dkv_step(p, ring, k_smem, v_smem, None, seg_ref, bi, k_start, qb, g, carry,
+                       masked)
+
+    zeros = plgpu.layout_cast(jnp.zeros((bkv, p.shape.head_dim), jnp.float32),
+                              plgpu.Layout.WGMMA)
+    tiles = own_tiles(q_tiles(
+        p.spec_padded, k_start, bq, bkv, p.padded,
+        own_span, own_uniform), cta_lo, cta_hi)
+    carry = lax.fori_loop(first, tiles.lo * group, drain, (zeros, zeros))
+    carry = tile_loop(tiles, _group_steps(p, step), carry)
+    dk, dv = lax.fori_loop(tiles.hi * group, last, drain, carry)
+    k_smem[...] = dk.astype(p.shape.dtype)  # K's and V's buffers hold dk, dv on their way out
+    v_smem[...] = dv.astype(p.shape.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[own])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[own])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _memory():
+    _stream_queries(p, ring, q_ref, do_ref, rows_ref, bi, kv_head)
+
+
+def dkv_halves_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref,
+                      spans_ref, dk_ref, dv_ref, k_halves, v_halves, q_smem, do_smem,
+                      rows_smem, kv_loaded, q_loaded, do_loaded, rows_loaded, q_free,
+                      computed):
+  """dk/dv at head dims above 128: a program owns block_kv keys, and each
+  compute warpgroup accumulates one half of dk's and dv's columns (128 each),
+  since a warpgroup's whole dk and dv of 64 keys would take 256 registers per
+  thread. Both compute the scores and dp over the whole head dim: 3 tile
+  matmuls of 64 x 256 per warpgroup and step where the split by keys does 2.
+  K and V sit in shared memory as two column halves, so that each
+  warpgroup's dk and dv go out from a contiguous buffer."""
+  plgpu = mosaic_common.plgpu()
+  bq, bkv, group = p.shape.block_q, p.shape.block_kv, p.group
+  bi = lax.axis_index("batch")
+  kv_head = lax.axis_index("heads")
+  tile = lax.axis_index("kv_tiles")
+  wg = lax.axis_index("wg")
+  k_start = tile * bkv
+  tiles = q_tiles(p.spec_padded, k_start, bq, bkv, p.padded,
+                  *tile_span(spans_ref, bi, tile))
+  lo, hi = program_tiles(tiles)
+  tiles = own_tiles(tiles, lo, hi)
+  ring = _QueryRing(lo * group, hi * group, q_smem, do_smem, rows_smem, q_loaded, do_loaded,
+                    rows_loaded, q_free)
+  own = (bi, pl.ds(k_start, bkv), kv_head)
+
+  def compute(part):
+    if part == 0:  # one warpgroup loads the shared K and V halves
+      _load_halves((k_ref, v_ref), (k_halves, v_halves), own, kv_loaded, p.shape.half)
+    for i in range(4):
+      plgpu.barrier_wait(kv_loaded.at[i])
+
+    def step(qb, g, carry, masked):
+      return _dkv_step(p, ring, k_halves, v_halves, part, seg_ref, bi, k_start, qb, g, carry,
+                       masked)
+
+    zeros = plgpu.layout_cast(jnp.zeros((bkv, p.shape.half), jnp.float32), plgpu.Layout.WGMMA)
+    dk, dv = tile_loop(tiles, _group_steps(p, step), (zeros, zeros))
+    _store_halves(p, part, computed, [(k_halves, dk_ref, dk), (v_halves, dv_ref, dv)], own)
+
+  _run_halves(wg, compute, lambda: _stream_queries(p, ring, q_ref, do_ref, rows_ref, bi,
+                                                   kv_head))
+
+
+# --- the call ---------------------------------------------------------------------------
 
 def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, delta, dout, *,
              fast_cap: bool, kernels=("dq", "dkv")):
@@ -128,497 +638,53 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   without a visible key), ``temp`` [B, T, Hq] float32 or None. ``kernels``
   runs only some of the two (the others' outputs are None), so that
   benchmarks.breakdown times each on its own."""
-  plgpu = mosaic_common.plgpu()
   b, t, hq, d = q.shape
   hkv = k.shape[2]
-  group = spec.group_size
   dtype = q.dtype
   halves = d > HALVES_ABOVE
   head_dim = 2 * HALVES_ABOVE if halves else mosaic_common.padded_head_dim(d)
-  bq_dq, bkv_dq = tiles.block_q_dq, tiles.block_kv_dq
-  # The dq halves kernel streams at most 64 keys per tile (two stages of
-  # 128 keys at head dim 256 do not fit beside the query halves).
-  bkv_halves = min(bkv_dq, 64)
-  bq_dkv, bkv_dkv = tiles.block_q_dkv, tiles.block_kv_dkv
-  seq_pad = mosaic_common.padded_length(t, 2 * bq_dq, bkv_dq, bq_dkv, 2 * bkv_dkv)
-  padded = seq_pad != t
-  stages = tiles.stages_bwd
+  seq_pad = mosaic_common.padded_length(t, 2 * tiles.block_q_dq, tiles.block_kv_dq,
+                                        tiles.block_q_dkv, 2 * tiles.block_kv_dkv)
+  has_seg, has_temp = seg is not None, temp is not None
 
   q, k, v, dout = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v, dout))
-  has_seg, has_temp = seg is not None, temp is not None
   # Each kernel reads the spans of its warpgroups' tiles (query tiles for dq,
   # key tiles for dk/dv); one array where both tiles have the same length.
   spans = {block: tile_ranges(seg, seq_pad, block) if has_seg else None
-           for block in {bq_dq, bkv_dkv}}
-  spans_dq, spans_dkv = spans[bq_dq], spans[bkv_dkv]
+           for block in {tiles.block_q_dq, tiles.block_kv_dkv}}
+  spans_dq, spans_dkv = spans[tiles.block_q_dq], spans[tiles.block_kv_dkv]
   seg = pad(seg, {1: seq_pad}) if has_seg else None
   # Per-query rows of each head, [B, Hq, R, T_pad]: the dk/dv kernel's TMA
   # warpgroup copies a query tile's lse, delta (and temperature) at once.
   row_vectors = [lse2, delta] + ([jnp.transpose(temp, (0, 2, 1))] if has_temp else [])
   rows = pad(jnp.stack([x.astype(jnp.float32) for x in row_vectors], axis=2), {3: seq_pad})
-  num_rows = rows.shape[2]
-  LSE, DELTA, TEMP = 0, 1, 2
-  # Tile ranges count tiles over the padded length; masks use spec's own
-  # seq_len (visible_mask's padded flag hides the padding).
-  spec_padded = dataclasses.replace(spec, seq_len=seq_pad)
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  col_layout = plgpu.Layout.WGMMA.reduce(0)
-  swizzled = mosaic_common.swizzled()
-  params = plgpu.CompilerParams(approx_math=mosaic_common.approx_math(spec, fast_cap),
-                                lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-
-  def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dq_ref,
-                q_smem2, do_smem2, k_smem, v_smem,
-                q_loaded, do_loaded, k_loaded, v_loaded, kv_free):
-    bq, bkv = bq_dq, bkv_dq
-    bi = lax.axis_index("batch")
-    h = lax.axis_index("heads")
-    tile = lax.axis_index("q_tiles")
-    wg = lax.axis_index("wg")
-    kv_head = lax.div(h, jnp.int32(group))
-    hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
-    cta_lo, cta_hi = program_tiles(kv_tiles(
-        spec_padded, tile * 2 * bq, 2 * bq, bkv, padded, hull))
-    slot = lambda kb: lax.rem(kb - cta_lo, jnp.int32(stages))
-
-    @pl.when(wg < 2)
-    def _compute():
-      plgpu.set_max_registers(232, action="increase")
-      q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-      q_start = tile * 2 * bq + wg * bq
-      own = (bi, pl.ds(q_start, bq), h)
-      plgpu.copy_gmem_to_smem(q_ref.at[own], q_smem, q_loaded.at[wg])
-      plgpu.copy_gmem_to_smem(do_ref.at[own], do_smem, do_loaded.at[wg])
-      row = lambda i: load_vector(rows_ref.at[bi, h, i, pl.ds(q_start, bq)], row_layout)
-      lse2_q, delta_q = row(LSE), row(DELTA)
-      temp_q = row(TEMP) if has_temp else None
-      plgpu.barrier_wait(q_loaded.at[wg])
-      plgpu.barrier_wait(do_loaded.at[wg])
-
-      def drain(kb, dq):
-        s = slot(kb)
-        plgpu.barrier_wait(k_loaded.at[s])
-        plgpu.barrier_wait(v_loaded.at[s])
-        plgpu.barrier_arrive(kv_free.at[s])
-        return dq
-
-      def visit(kb, dq, masked):
-        s = slot(kb)
-        plgpu.barrier_wait(k_loaded.at[s])
-        plgpu.barrier_wait(v_loaded.at[s])
-        scores, dp = _scores_pair(plgpu, q_smem, k_smem.at[s].transpose((1, 0)),
-                                  do_smem, v_smem.at[s].transpose((1, 0)), (bq, bkv))
-        logits = tile_logits(spec, scores, temp_q, q_start, kb * bkv, masked=masked,
-                             seg_ref=seg_ref, batch=bi, padded=padded,
-                             fast_cap=fast_cap)
-        p = probabilities(logits, lse2_q)
-        ds = logits_grad(spec, p, dp, delta_q, logits, temp_q, fast_cap)
-        ds16, back = matmul_operand(ds, dtype, axis=1)
-        dq = _accumulate(plgpu, dq, ds16, k_smem.at[s], back)
-        plgpu.barrier_arrive(kv_free.at[s])
-        return dq
-
-      dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      tiles = own_tiles(kv_tiles(
-          spec_padded, q_start, bq, bkv, padded,
-          own_span, own_uniform), cta_lo, cta_hi)
-      dq = lax.fori_loop(cta_lo, tiles.lo, drain, dq)
-      dq = tile_loop(tiles, visit, dq)
-      dq = lax.fori_loop(tiles.hi, cta_hi, drain, dq)
-      q_smem[...] = dq.astype(dtype)  # Q's buffer holds dq on its way out
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[own])
-      plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 2)
-    def _memory():
-      stream_keys(bi, kv_head, cta_lo, cta_hi, slot, bkv, k_ref, v_ref, k_smem, v_smem,
-                  k_loaded, v_loaded, kv_free)
-
-  def stream_keys(bi, kv_head, lo, hi, slot, bkv, k_ref, v_ref, k_smem, v_smem,
-                  k_loaded, v_loaded, kv_free):
-    """The dq kernels' memory warpgroup: key tiles [lo, hi) of ``bkv`` keys into
-    the ring of K and V tiles."""
-    plgpu.set_max_registers(40, action="decrease")
-
-    @pl.loop(lo, hi)
-    def _(kb):
-      s = slot(kb)
-      keys = (bi, pl.ds(kb * bkv, bkv), kv_head)
-
-      @pl.when(kb >= lo + stages)
-      def _():
-        plgpu.barrier_wait(kv_free.at[s])
-
-      plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[s], k_loaded.at[s])
-      plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[s], v_loaded.at[s])
-
-    @pl.loop(jnp.maximum(hi - stages, lo), hi)
-    def _(kb):  # the last release of every slot (mosaic_forward)
-      plgpu.barrier_wait(kv_free.at[slot(kb)])
-
-  # What the two halves kernels share: a program's own tiles (Q and dO for dq,
-  # K and V for dk/dv) sit in shared memory as two column halves; both compute
-  # warpgroups score them against the streamed tiles over both halves; each
-  # warpgroup writes its half of the gradients out through its own tiles' half.
-  half = head_dim // 2
-  column_half = lambda part: pl.ds(part * half, half)
-
-  def load_halves(refs, halves, own, loaded):
-    """The program's own tiles of ``refs`` into their [2, rows, half]
-    buffers, buffer i's half c arriving at barrier 2 * i + c."""
-    for c in range(2):
-      for i, (ref, buffer) in enumerate(zip(refs, halves)):
-        plgpu.copy_gmem_to_smem(ref.at[own + (column_half(c),)], buffer.at[c],
-                                loaded.at[2 * i + c])
-
-  def halves_scores_pair(a_halves, b_ring, c_halves, d_ring, s, shape):
-    """(A B^T, C D^T) over both column halves, A and C the program's own
-    halves, B and D slot ``s`` of the streamed rings; both wgmmas issued
-    before either is waited for."""
-    def both(acc1, acc2):
-      for c in range(2):
-        plgpu.wgmma(acc1, a_halves.at[c], b_ring.at[s, :, column_half(c)].transpose((1, 0)))
-        plgpu.wgmma(acc2, c_halves.at[c], d_ring.at[s, :, column_half(c)].transpose((1, 0)))
-      return acc1[...], acc2[...]
-    return pl.run_scoped(both, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
-
-  def store_halves(part, computed, outputs, own):
-    """Warpgroup ``part``'s half of each gradient in ``outputs`` (the own
-    tiles' halves buffer, which holds it on its way out; the output ref; the
-    value) written out, once both warpgroups are done reading the own tiles."""
-    plgpu.barrier_arrive(computed)
-    plgpu.barrier_wait(computed)
-    for halves, _, value in outputs:
-      halves[part] = value.astype(dtype)
-    plgpu.commit_smem()
-    for halves, ref, _ in outputs:
-      plgpu.copy_smem_to_gmem(halves.at[part], ref.at[own + (column_half(part),)])
-    plgpu.wait_smem_to_gmem(0)
-
-  def run_halves(wg, compute, memory):
-    """Warpgroups 0 and 1 run ``compute(part)`` for their half, 2 ``memory()``."""
-    for part in (0, 1):
-      @pl.when(wg == part)
-      def _(part=part):
-        plgpu.set_max_registers(232, action="increase")
-        compute(part)
-
-    pl.when(wg == 2)(memory)
-
-  def dq_halves_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dq_ref,
-                       q_halves, do_halves, k_smem, v_smem,
-                       qdo_loaded, k_loaded, v_loaded, kv_free, computed):
-    """dq at head dims above 128: a program owns block_q query rows, and each
-    compute warpgroup accumulates one half of dq's columns (dkv_halves_kernel's
-    split); both compute the scores and dp over the whole head dim. Key tiles
-    of at most 64 keys, so that the K/V ring fits the shared memory."""
-    bq, bkv = bq_dq, bkv_halves
-    bi = lax.axis_index("batch")
-    h = lax.axis_index("heads")
-    tile = lax.axis_index("q_tiles")
-    wg = lax.axis_index("wg")
-    kv_head = lax.div(h, jnp.int32(group))
-    q_start = tile * bq
-    tiles_ = kv_tiles(spec_padded, q_start, bq, bkv, padded,
-                      *tile_span(spans_ref, bi, tile))
-    lo, hi = program_tiles(tiles_)
-    tiles_ = own_tiles(tiles_, lo, hi)
-    slot = lambda kb: lax.rem(kb - lo, jnp.int32(stages))
-    own = (bi, pl.ds(q_start, bq), h)
-
-    def compute(part):
-      if part == 0:  # one warpgroup loads the shared Q and dO halves
-        load_halves((q_ref, do_ref), (q_halves, do_halves), own, qdo_loaded)
-      row = lambda i: load_vector(rows_ref.at[bi, h, i, pl.ds(q_start, bq)], row_layout)
-      lse2_q, delta_q = row(LSE), row(DELTA)
-      temp_q = row(TEMP) if has_temp else None
-      for i in range(4):
-        plgpu.barrier_wait(qdo_loaded.at[i])
-
-      def visit(kb, dq, masked):
-        s = slot(kb)
-        plgpu.barrier_wait(k_loaded.at[s])
-        plgpu.barrier_wait(v_loaded.at[s])
-        # s = Q K^T and dp = dO V^T
-        scores, dp = halves_scores_pair(q_halves, k_smem, do_halves, v_smem, s, (bq, bkv))
-        logits = tile_logits(spec, scores, temp_q, q_start, kb * bkv, masked=masked,
-                             seg_ref=seg_ref, batch=bi, padded=padded,
-                             fast_cap=fast_cap)
-        p = probabilities(logits, lse2_q)
-        ds = logits_grad(spec, p, dp, delta_q, logits, temp_q, fast_cap)
-        ds16, back = matmul_operand(ds, dtype, axis=1)
-        dq = _accumulate(plgpu, dq, ds16, k_smem.at[s, :, column_half(part)], back)
-        plgpu.barrier_arrive(kv_free.at[s])
-        return dq
-
-      dq = plgpu.layout_cast(jnp.zeros((bq, half), jnp.float32), plgpu.Layout.WGMMA)
-      dq = tile_loop(tiles_, visit, dq)
-      store_halves(part, computed, [(q_halves, dq_ref, dq)], own)
-
-    run_halves(wg, compute, lambda: stream_keys(
-        bi, kv_head, lo, hi, slot, bkv, k_ref, v_ref, k_smem, v_smem, k_loaded, v_loaded,
-        kv_free))
-
-  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dk_ref, dv_ref,
-                 k_smem2, v_smem2, q_smem, do_smem, rows_smem,
-                 k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free):
-    bq, bkv = bq_dkv, bkv_dkv
-    bi = lax.axis_index("batch")
-    kv_head = lax.axis_index("heads")
-    tile = lax.axis_index("kv_tiles")
-    wg = lax.axis_index("wg")
-    hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
-    cta_lo, cta_hi = program_tiles(q_tiles(
-        spec_padded, tile * 2 * bkv, bq, 2 * bkv, padded, hull))
-    # The streamed steps: step n is query tile n // group of query head
-    # kv_head * group + n % group.
-    first, last = cta_lo * group, cta_hi * group
-    slot = lambda n: lax.rem(n - first, jnp.int32(stages))
-
-    @pl.when(wg < 2)
-    def _compute():
-      plgpu.set_max_registers(232, action="increase")
-      k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-      k_start = tile * 2 * bkv + wg * bkv
-      own = (bi, pl.ds(k_start, bkv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem, k_loaded.at[wg])
-      plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem, v_loaded.at[wg])
-      plgpu.barrier_wait(k_loaded.at[wg])
-      plgpu.barrier_wait(v_loaded.at[wg])
-
-      def drain(n, carry):
-        s = slot(n)
-        plgpu.barrier_wait(q_loaded.at[s])
-        plgpu.barrier_wait(do_loaded.at[s])
-        plgpu.barrier_wait(rows_loaded.at[s])
-        plgpu.barrier_arrive(q_free.at[s])
-        return carry
-
-      def visit(qb, g, carry, masked):
-        dk, dv = carry
-        s = slot(qb * group + g)
-        q_start = qb * bq
-        plgpu.barrier_wait(q_loaded.at[s])
-        plgpu.barrier_wait(do_loaded.at[s])
-        scores_t, dp_t = _scores_pair(plgpu, k_smem, q_smem.at[s].transpose((1, 0)),
-                                      v_smem, do_smem.at[s].transpose((1, 0)), (bkv, bq))
-        plgpu.barrier_wait(rows_loaded.at[s])
-        row = lambda i: load_vector(rows_smem.at[s, i], col_layout)
-        lse2_q, delta_q = row(LSE), row(DELTA)
-        temp_q = row(TEMP) if has_temp else None
-        logits = tile_logits(spec, scores_t, temp_q, q_start, k_start, masked=masked,
-                             seg_ref=seg_ref, batch=bi, padded=padded,
-                             fast_cap=fast_cap, query_axis=1)
-        p_t = probabilities(logits, lse2_q)
-        dv = _accumulate(plgpu, dv, p_t.astype(dtype), do_smem.at[s], None)
-        ds_t = logits_grad(spec, p_t, dp_t, delta_q, logits, temp_q, fast_cap)
-        ds16, back = matmul_operand(ds_t, dtype, axis=1)
-        dk = _accumulate(plgpu, dk, ds16, q_smem.at[s], back)
-        plgpu.barrier_arrive(q_free.at[s])
-        return dk, dv
-
-      def query_tile(qb, carry, masked):
-        return lax.fori_loop(0, group, lambda g, c: visit(qb, g, c, masked), carry)
-
-      zeros = plgpu.layout_cast(jnp.zeros((bkv, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-      tiles = own_tiles(q_tiles(
-          spec_padded, k_start, bq, bkv, padded,
-          own_span, own_uniform), cta_lo, cta_hi)
-      carry = lax.fori_loop(first, tiles.lo * group, drain, (zeros, zeros))
-      carry = tile_loop(tiles, query_tile, carry)
-      dk, dv = lax.fori_loop(tiles.hi * group, last, drain, carry)
-      k_smem[...] = dk.astype(dtype)  # K's and V's buffers hold dk, dv on their way out
-      v_smem[...] = dv.astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[own])
-      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[own])
-      plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 2)
-    def _memory():
-      stream_queries(bi, kv_head, first, last, slot, q_ref, do_ref, rows_ref,
-                     q_smem, do_smem, rows_smem, q_loaded, do_loaded, rows_loaded, q_free)
-
-  def stream_queries(bi, kv_head, first, last, slot, q_ref, do_ref, rows_ref,
-                     q_smem, do_smem, rows_smem, q_loaded, do_loaded, rows_loaded, q_free):
-    """The dk/dv kernels' memory warpgroup: steps [first, last) into the ring of
-    Q, dO and rows tiles (step n: query tile n // group of query head
-    kv_head * group + n % group)."""
-    bq = bq_dkv
-    plgpu.set_max_registers(40, action="decrease")
-
-    @pl.loop(first, last)
-    def _(n):
-      s = slot(n)
-      qb = lax.div(n, jnp.int32(group))
-      h = kv_head * group + lax.rem(n, jnp.int32(group))
-      queries = (bi, pl.ds(qb * bq, bq), h)
-
-      @pl.when(n >= first + stages)
-      def _():
-        plgpu.barrier_wait(q_free.at[s])
-
-      plgpu.copy_gmem_to_smem(q_ref.at[queries], q_smem.at[s], q_loaded.at[s])
-      plgpu.copy_gmem_to_smem(do_ref.at[queries], do_smem.at[s], do_loaded.at[s])
-      plgpu.copy_gmem_to_smem(rows_ref.at[bi, h, :, pl.ds(qb * bq, bq)], rows_smem.at[s],
-                              rows_loaded.at[s])
-
-    @pl.loop(jnp.maximum(last - stages, first), last)
-    def _(n):  # the last release of every slot (mosaic_forward)
-      plgpu.barrier_wait(q_free.at[slot(n)])
-
-  def dkv_halves_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref, dk_ref,
-                        dv_ref, k_halves, v_halves, q_smem, do_smem, rows_smem,
-                        kv_loaded, q_loaded, do_loaded, rows_loaded, q_free, computed):
-    """dk/dv at head dims above 128: a program owns block_kv keys, and each
-    compute warpgroup accumulates one half of dk's and dv's columns (128 each),
-    since a warpgroup's whole dk and dv of 64 keys would take 256 registers per
-    thread. Both compute the scores and dp over the whole head dim: 3 tile
-    matmuls of 64 x 256 per warpgroup and step where the split by keys does 2.
-    K and V sit in shared memory as two column halves, so that each
-    warpgroup's dk and dv go out from a contiguous buffer."""
-    bq, bkv = bq_dkv, bkv_dkv
-    bi = lax.axis_index("batch")
-    kv_head = lax.axis_index("heads")
-    tile = lax.axis_index("kv_tiles")
-    wg = lax.axis_index("wg")
-    k_start = tile * bkv
-    tiles_ = q_tiles(spec_padded, k_start, bq, bkv, padded,
-                     *tile_span(spans_ref, bi, tile))
-    lo, hi = program_tiles(tiles_)
-    tiles_ = own_tiles(tiles_, lo, hi)
-    first, last = lo * group, hi * group
-    slot = lambda n: lax.rem(n - first, jnp.int32(stages))
-    own = (bi, pl.ds(k_start, bkv), kv_head)
-
-    def compute(part):
-      if part == 0:  # one warpgroup loads the shared K and V halves
-        load_halves((k_ref, v_ref), (k_halves, v_halves), own, kv_loaded)
-
-      for i in range(4):
-        plgpu.barrier_wait(kv_loaded.at[i])
-
-      def visit(qb, g, carry, masked):
-        dk, dv = carry
-        s = slot(qb * group + g)
-        q_start = qb * bq
-        plgpu.barrier_wait(q_loaded.at[s])
-        plgpu.barrier_wait(do_loaded.at[s])
-        # sT = K Q^T and dpT = V dO^T
-        scores_t, dp_t = halves_scores_pair(k_halves, q_smem, v_halves, do_smem, s, (bkv, bq))
-        plgpu.barrier_wait(rows_loaded.at[s])
-        row = lambda i: load_vector(rows_smem.at[s, i], col_layout)
-        lse2_q, delta_q = row(LSE), row(DELTA)
-        temp_q = row(TEMP) if has_temp else None
-        logits = tile_logits(spec, scores_t, temp_q, q_start, k_start, masked=masked,
-                             seg_ref=seg_ref, batch=bi, padded=padded,
-                             fast_cap=fast_cap, query_axis=1)
-        p_t = probabilities(logits, lse2_q)
-        dv = _accumulate(plgpu, dv, p_t.astype(dtype), do_smem.at[s, :, column_half(part)],
-                         None)
-        ds_t = logits_grad(spec, p_t, dp_t, delta_q, logits, temp_q, fast_cap)
-        ds16, back = matmul_operand(ds_t, dtype, axis=1)
-        dk = _accumulate(plgpu, dk, ds16, q_smem.at[s, :, column_half(part)], back)
-        plgpu.barrier_arrive(q_free.at[s])
-        return dk, dv
-
-      def query_tile(qb, carry, masked):
-        return lax.fori_loop(0, group, lambda g, c: visit(qb, g, c, masked), carry)
-
-      zeros = plgpu.layout_cast(jnp.zeros((bkv, half), jnp.float32), plgpu.Layout.WGMMA)
-      dk, dv = tile_loop(tiles_, query_tile, (zeros, zeros))
-      store_halves(part, computed, [(k_halves, dk_ref, dk), (v_halves, dv_ref, dv)], own)
-
-    run_halves(wg, compute, lambda: stream_queries(
-        bi, kv_head, first, last, slot, q_ref, do_ref, rows_ref, q_smem, do_smem, rows_smem,
-        q_loaded, do_loaded, rows_loaded, q_free))
-
-  def _warp_specialized(body, *, out_type, scratch_types, grid, grid_names, kernel_name):
-    """The kernel (mosaic_common.kernel_call) of a body whose warpgroups 0 and 1
-    compute and 2 copies."""
-    return mosaic_common.kernel_call(body, out_type=out_type, scratch_types=scratch_types,
-                                     grid=grid, grid_names=grid_names, num_threads=3,
-                                     thread_name="wg", compiler_params=params,
-                                     kernel_name=kernel_name)
-
-  dq_call = _warp_specialized(
-      dq_kernel,
+  dq_shape, dkv_shape = tile_shapes(tiles, dtype, head_dim, num_rows=rows.shape[2],
+                                    halves=halves)
+  params = functools.partial(
+      BackwardParams, spec,
+      # Tile ranges count tiles over the padded length; masks use spec's own
+      # seq_len (visible_mask's padded flag hides the padding).
+      dataclasses.replace(spec, seq_len=seq_pad), seq_pad != t, has_temp, fast_cap)
+  # A halves program owns one tile (each warpgroup half its columns), a
+  # program of the others two tiles (one per warpgroup).
+  per_program = 1 if halves else 2
+  call = functools.partial(mosaic_common.warp_specialized_call, spec=spec, fast_cap=fast_cap)
+  dq_call = call(
+      functools.partial(dq_halves_kernel if halves else dq_kernel, params(dq_shape)),
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      scratch_types=[
-          plgpu.SMEM((2, bq_dq, head_dim), dtype, transforms=swizzled),
-          plgpu.SMEM((2, bq_dq, head_dim), dtype, transforms=swizzled),
-          plgpu.SMEM((stages, bkv_dq, head_dim), dtype, transforms=swizzled),
-          plgpu.SMEM((stages, bkv_dq, head_dim), dtype, transforms=swizzled),
-          plgpu.Barrier(num_barriers=2),
-          plgpu.Barrier(num_barriers=2),
-          plgpu.Barrier(num_barriers=stages),
-          plgpu.Barrier(num_barriers=stages),
-          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      ],
-      grid=(hq, seq_pad // (2 * bq_dq), b),
+      scratch_types=dq_scratch(dq_shape),
+      grid=(hq, seq_pad // (per_program * dq_shape.block_q), b),
       grid_names=("heads", "q_tiles", "batch"),
-      kernel_name="ua_backward_dq_mosaic",
+      kernel_name="ua_backward_dq_halves_mosaic" if halves else "ua_backward_dq_mosaic",
   )
-  dkv_call = _warp_specialized(
-      dkv_kernel,
+  dkv_call = call(
+      functools.partial(dkv_halves_kernel if halves else dkv_kernel, params(dkv_shape)),
       out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
-      scratch_types=[
-          plgpu.SMEM((2, bkv_dkv, head_dim), dtype, transforms=swizzled),
-          plgpu.SMEM((2, bkv_dkv, head_dim), dtype, transforms=swizzled),
-          plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
-          plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
-          plgpu.SMEM((stages, num_rows, bq_dkv), jnp.float32),
-          plgpu.Barrier(num_barriers=2),
-          plgpu.Barrier(num_barriers=2),
-          plgpu.Barrier(num_barriers=stages),
-          plgpu.Barrier(num_barriers=stages),
-          plgpu.Barrier(num_barriers=stages),
-          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      ],
-      grid=(hkv, seq_pad // (2 * bkv_dkv), b),
+      scratch_types=dkv_scratch(dkv_shape),
+      grid=(hkv, seq_pad // (per_program * dkv_shape.block_kv), b),
       grid_names=("heads", "kv_tiles", "batch"),
-      kernel_name="ua_backward_dkv_mosaic",
+      kernel_name="ua_backward_dkv_halves_mosaic" if halves else "ua_backward_dkv_mosaic",
   )
-  if halves:
-    dq_call = _warp_specialized(
-        dq_halves_kernel,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=[
-            plgpu.SMEM((2, bq_dq, head_dim // 2), dtype, transforms=swizzled),
-            plgpu.SMEM((2, bq_dq, head_dim // 2), dtype, transforms=swizzled),
-            plgpu.SMEM((stages, bkv_halves, head_dim), dtype, transforms=swizzled),
-            plgpu.SMEM((stages, bkv_halves, head_dim), dtype, transforms=swizzled),
-            plgpu.Barrier(num_barriers=4),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2),
-        ],
-        grid=(hq, seq_pad // bq_dq, b),
-        grid_names=("heads", "q_tiles", "batch"),
-        kernel_name="ua_backward_dq_halves_mosaic",
-    )
-    dkv_call = _warp_specialized(
-        dkv_halves_kernel,
-        out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
-        scratch_types=[
-            plgpu.SMEM((2, bkv_dkv, head_dim // 2), dtype, transforms=swizzled),
-            plgpu.SMEM((2, bkv_dkv, head_dim // 2), dtype, transforms=swizzled),
-            plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
-            plgpu.SMEM((stages, bq_dkv, head_dim), dtype, transforms=swizzled),
-            plgpu.SMEM((stages, num_rows, bq_dkv), jnp.float32),
-            plgpu.Barrier(num_barriers=4),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2),
-        ],
-        grid=(hkv, seq_pad // bkv_dkv, b),
-        grid_names=("heads", "kv_tiles", "batch"),
-        kernel_name="ua_backward_dkv_halves_mosaic",
-    )
   dq = dk = dv = None
   with fast_math.native("mosaic"):
     if "dq" in kernels:

@@ -1,13 +1,17 @@
-"""What the Mosaic GPU forward and backward kernels share: tile logits and
-masks, tile ranges, the kernel call, and the padded layout. The Mosaic GPU
-module and the calls whose API differs across jax releases come from
-pallas_compat."""
+"""What the Mosaic GPU forward and backward kernels share: the memory
+warpgroup's producer ring (producer_ring), tile logits and masks, tile ranges,
+the warp-specialised kernel call, shared-memory accounting of a scratch list
+(scratch_bytes), and the padded layout. The Mosaic GPU module and the calls
+whose API differs across jax releases come from pallas_compat."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
@@ -24,6 +28,75 @@ HEAD_DIM_MULTIPLE = 64
 MAX_SHARED_MEMORY = 232448
 # Bytes of one mbarrier in shared memory.
 BARRIER_BYTES = 8
+
+
+def scratch_bytes(scratch) -> int:
+  """Shared memory (bytes) of a kernel's scratch list as plgpu.kernel takes it:
+  an SMEM entry takes prod(shape) * itemsize, a Barrier entry num_barriers *
+  BARRIER_BYTES."""
+  mgpu = plgpu()
+  total = 0
+  for entry in scratch:
+    if isinstance(entry, mgpu.Barrier):
+      total += math.prod(_as_shape(entry.num_barriers)) * BARRIER_BYTES
+    else:
+      total += math.prod(entry.shape) * jnp.dtype(entry.dtype).itemsize
+  return total
+
+
+def _as_shape(n) -> tuple[int, ...]:
+  return tuple(n) if isinstance(n, (tuple, list)) else (n,)
+
+
+def ring_slot(step, lo, stages: int):
+  """The ring slot of ``step`` in a ring of ``stages`` slots whose first step
+  is ``lo``."""
+  return lax.rem(step - lo, jnp.int32(stages))
+
+
+@dataclasses.dataclass(frozen=True)
+class RingCopy:
+  """One TMA copy of a producer_ring step: ``source(where)``, a global-memory
+  ref (``where`` is what the ring's ``locate`` returned for the step), into
+  slot s of ``buffer`` ([stages, ...] in shared memory), arriving at
+  ``loaded.at[s]``."""
+  source: Callable[[Any], Any]
+  buffer: Any
+  loaded: Any
+
+
+def producer_ring(lo, hi, stages: int, locate: Callable[[Any], Any],
+                  groups: Sequence[tuple[Any, Sequence[RingCopy]]]):
+  """The memory warpgroup of a warp-specialised kernel: steps [lo, hi) copied by
+  TMA into a ring of ``stages`` shared-memory slots (slot ring_slot(step, lo,
+  stages)). Each of ``groups`` is (free, copies): from the step ``stages``
+  after the first on, the ring waits for ``free.at[s]`` (the compute
+  warpgroups' release of the slot) before issuing ``copies``; each copy
+  arrives at its own loaded barrier. ``locate(step)`` is evaluated once per
+  step, after its slot, for the copies' sources.
+
+  After the last copy the ring observes the last release of every slot: a
+  barrier's final phase is waited for by each thread that waits on it
+  (Mosaic's interpreter checks this), at no cost."""
+  mgpu = plgpu()
+  mgpu.set_max_registers(40, action="decrease")
+
+  @pl.loop(lo, hi)
+  def _(step):
+    s = ring_slot(step, lo, stages)
+    where = locate(step)
+    for free, copies in groups:
+      @pl.when(step >= lo + stages)
+      def _():
+        mgpu.barrier_wait(free.at[s])
+
+      for copy in copies:
+        mgpu.copy_gmem_to_smem(copy.source(where), copy.buffer.at[s], copy.loaded.at[s])
+
+  @pl.loop(jnp.maximum(hi - stages, lo), hi)
+  def _(step):
+    for free, _ in groups:
+      mgpu.barrier_wait(free.at[ring_slot(step, lo, stages)])
 
 
 def position_tiles(shape, q_start, k_start, query_axis: int):
@@ -69,8 +142,9 @@ def program_spans(ranges_ref, batch, program, warpgroup):
   scalars; (None, None, None) without segment ids (``ranges_ref`` None).
 
   All eight scalars are read here, at the program's start, at once: read in
-  two groups, the second after the query ids, the H200 forward ran 11% slower
-  than without segment ids (docs/BENCHMARKS.md)."""
+  two groups, the second after the query ids, they slowed the forward with
+  segment ids down (docs/BENCHMARKS.md, "The contract's options at
+  speed")."""
   if ranges_ref is None:
     return None, None, None
   first, second = ([ranges_ref[batch, 2 * program + w, j] for j in range(4)] for w in (0, 1))
@@ -94,8 +168,7 @@ def kernel_call(body, **kernel_args):
   some may be None (no segment ids, no temperature): those are left out of
   the kernel's call, and ``body`` receives None in their refs' places. An
   absent input passed as zeros would be a broadcast XLA materialises before
-  every call: three of them took 6.6 µs of a 185 µs causal forward on the
-  H200 (docs/BENCHMARKS.md)."""
+  every call (docs/BENCHMARKS.md, "The contract's options at speed")."""
   def call(*operands):
     absent = [i for i, x in enumerate(operands) if x is None]
 
@@ -108,6 +181,16 @@ def kernel_call(body, **kernel_args):
     return plgpu().kernel(with_nones, **kernel_args)(*(x for x in operands if x is not None))
 
   return call
+
+
+def warp_specialized_call(body, *, spec: StaticSpec, fast_cap: bool, **kernel_args):
+  """kernel_call of a body whose warpgroups 0 and 1 compute and 2 copies
+  (thread axis "wg"), with the kernels' compiler parameters (approx_math)."""
+  mgpu = plgpu()
+  params = mgpu.CompilerParams(approx_math=approx_math(spec, fast_cap),
+                               lowering_semantics=mgpu.LoweringSemantics.Warpgroup)
+  return kernel_call(body, num_threads=3, thread_name="wg", compiler_params=params,
+                     **kernel_args)
 
 
 def own_tiles(tiles: Tiles, program_lo, program_hi) -> Tiles:

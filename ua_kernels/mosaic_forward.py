@@ -1,13 +1,17 @@
 """The forward kernel on Pallas Mosaic GPU, for Hopper (sm90): TMA copies, wgmma,
 and warpgroup specialisation, which Pallas-Triton does not emit.
 
+``forward`` pads the inputs and calls ``forward_kernel`` with a ForwardParams
+(the kernel's static parameters) and the scratch of ``forward_scratch``.
+
 Structure of JAX's ``attention_mgpu.py`` forward: a program owns 2 * block_q
 query rows of one (batch, query head); three warpgroups share it. Two compute
-warpgroups own block_q rows each; the third only issues TMA copies of key and
-value tiles into a ring of ``stages`` shared-memory slots, guarded by a
-"loaded" barrier per slot (TMA arrives) and a "free" one (both compute
-warpgroups arrive). A schedule barrier alternates the compute warpgroups, so
-one's softmax overlaps the other's matmuls.
+warpgroups own block_q rows each (``_forward_compute``, one key tile of it
+``_forward_step``); the third only issues TMA copies of key and value tiles
+into a ring of ``stages`` shared-memory slots (mosaic_common.producer_ring),
+guarded by a "loaded" barrier per slot (TMA arrives) and a "free" one (both
+compute warpgroups arrive). A schedule barrier alternates the compute
+warpgroups, so one's softmax overlaps the other's matmuls.
 
 Every masking and capping rule comes from tile_math, as in the Triton kernels:
 the logits are tile_math.scores_to_logits of the wgmma's scores, the mask is
@@ -30,6 +34,8 @@ backend's backward runs on this forward's residuals.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +45,8 @@ from jax.experimental import pallas as pl
 from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
-from .mosaic_common import (load_vector, own_tiles, program_spans, tile_logits,
-                            program_tiles)
+from .mosaic_common import (RingCopy, load_vector, own_tiles, program_spans, program_tiles,
+                            ring_slot, tile_logits)
 from .kernel_config import MosaicTiles
 from .padding import pad
 from .segment_spans import tile_ranges
@@ -60,177 +66,219 @@ def unsupported(spec: StaticSpec, dtype) -> str | None:
   return None
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardParams:
+  """The static parameters of one forward kernel: the contract's rules
+  (``spec``; ``spec_padded`` is it over the padded length, which tile ranges
+  count over), the tiles and the inputs' dtype and options."""
+  spec: StaticSpec
+  spec_padded: StaticSpec
+  dtype: Any
+  block_q: int          # rows of one compute warpgroup; a program owns 2 * block_q
+  block_kv: int
+  head_dim: int         # padded (mosaic_common.padded_head_dim)
+  stages: int
+  padded: bool          # the sequence is padded (visible_mask hides the padding)
+  has_temp: bool
+  shift: float | None   # tile_math.fixed_shift
+  fast_cap: bool
+
+  @property
+  def rows(self) -> int:
+    return 2 * self.block_q
+
+
+def forward_scratch(p: ForwardParams) -> list:
+  """The forward kernel's shared memory: Q tiles (which hold O on their way
+  out), the K and V rings, the lse rows, then the barriers: Q loaded, K and V
+  loaded per slot, K and V free per slot, the schedule barrier."""
+  plgpu = mosaic_common.plgpu()
+  swizzled = mosaic_common.swizzled()
+  return [
+      plgpu.SMEM((2, p.block_q, p.head_dim), p.dtype, transforms=swizzled),
+      plgpu.SMEM((p.stages, p.block_kv, p.head_dim), p.dtype, transforms=swizzled),
+      plgpu.SMEM((p.stages, p.block_kv, p.head_dim), p.dtype, transforms=swizzled),
+      plgpu.SMEM((2, p.block_q), jnp.float32),
+      plgpu.Barrier(num_barriers=2),
+      plgpu.Barrier(num_barriers=p.stages),
+      plgpu.Barrier(num_barriers=p.stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=p.stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=p.stages),
+      plgpu.Barrier(num_arrivals=2),
+  ]
+
+
+def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, temp_ref,
+                   out_ref, lse_ref, q_smem2, k_smem, v_smem, lse_smem2,
+                   q_loaded, k_loaded, v_loaded, k_free, v_free, schedule):
+  """One program: warpgroups 0 and 1 compute (_forward_compute), 2 streams the
+  key and value tiles of the hull of their ranges (producer_ring)."""
+  plgpu = mosaic_common.plgpu()
+  bi = lax.axis_index("batch")
+  h = lax.axis_index("heads")
+  tile = lax.axis_index("q_tiles")
+  wg = lax.axis_index("wg")
+  kv_head = lax.div(h, jnp.int32(p.spec.group_size))
+  hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
+  cta_lo, cta_hi = program_tiles(kv_tiles(
+      p.spec_padded, tile * p.rows, p.rows, p.block_kv, p.padded, hull))
+  ring = _Ring(cta_lo, cta_hi, k_smem, v_smem, k_loaded, v_loaded, k_free, v_free, schedule)
+
+  @pl.when(wg < 2)
+  def _compute():
+    _forward_compute(p, ring, q_ref, seg_ref, temp_ref, out_ref, lse_ref,
+                     q_smem2.at[wg], lse_smem2.at[wg], q_loaded.at[wg],
+                     bi, h, tile, wg, own_span, own_uniform)
+
+  @pl.when(wg == 2)
+  def _memory():
+    def locate(kb):
+      return (bi, pl.ds(kb * p.block_kv, p.block_kv), kv_head)
+
+    mosaic_common.producer_ring(cta_lo, cta_hi, p.stages, locate, [
+        (k_free, [RingCopy(lambda rows_of: k_ref.at[rows_of], k_smem, k_loaded)]),
+        (v_free, [RingCopy(lambda rows_of: v_ref.at[rows_of], v_smem, v_loaded)]),
+    ])
+
+
+class _Ring(NamedTuple):
+  """The program's key-tile range [lo, hi) and its ring of K and V slots."""
+  lo: Any
+  hi: Any
+  k_smem: Any
+  v_smem: Any
+  k_loaded: Any
+  v_loaded: Any
+  k_free: Any
+  v_free: Any
+  schedule: Any
+
+
+def _forward_compute(p: ForwardParams, ring: _Ring, q_ref, seg_ref, temp_ref, out_ref,
+                     lse_ref, q_smem, lse_smem, q_loaded, bi, h, tile, wg, own_span,
+                     own_uniform):
+  """Compute warpgroup ``wg``: the online softmax of its block_q rows over its
+  own key tiles, draining the program's tiles outside them."""
+  plgpu = mosaic_common.plgpu()
+  plgpu.set_max_registers(232, action="increase")
+  block_q, block_kv = p.block_q, p.block_kv
+  q_start = tile * p.rows + wg * block_q
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, block_q), h], q_smem, q_loaded)
+  q_temp = (load_vector(temp_ref.at[bi, h, pl.ds(q_start, block_q)], row_layout)
+            if p.has_temp else None)
+  plgpu.barrier_wait(q_loaded)
+
+  def schedule_sync():
+    _schedule_sync(ring.schedule)
+
+  def drain(kb, carry):
+    s = ring_slot(kb, ring.lo, p.stages)
+    plgpu.barrier_wait(ring.k_loaded.at[s])
+    plgpu.barrier_arrive(ring.k_free.at[s])
+    schedule_sync()
+    plgpu.barrier_wait(ring.v_loaded.at[s])
+    plgpu.barrier_arrive(ring.v_free.at[s])
+    schedule_sync()
+    return carry
+
+  def visit(kb, state, masked):
+    return _forward_step(p, ring, q_smem, seg_ref, bi, q_start, q_temp, kb, state, masked)
+
+  state = SoftmaxState(
+      plgpu.layout_cast(jnp.full((block_q,), -jnp.inf if p.shift is None else p.shift,
+                                 jnp.float32), row_layout),
+      plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout),
+      plgpu.layout_cast(jnp.zeros((block_q, p.head_dim), jnp.float32), plgpu.Layout.WGMMA))
+  tiles = own_tiles(kv_tiles(
+      p.spec_padded, q_start, block_q, block_kv, p.padded,
+      own_span, own_uniform), ring.lo, ring.hi)
+  pl.when(wg == 1)(schedule_sync)
+  state = lax.fori_loop(ring.lo, tiles.lo, drain, state)
+  state = tile_loop(tiles, visit, state)
+  state = lax.fori_loop(tiles.hi, ring.hi, drain, state)
+  pl.when(wg == 0)(schedule_sync)
+
+  out, lse2 = state.finalize()
+  q_smem[...] = out.astype(p.dtype)  # Q's buffer holds O on its way out
+  lse_smem[...] = lse2
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(q_smem, out_ref.at[bi, pl.ds(q_start, block_q), h])
+  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, h, pl.ds(q_start, block_q)])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _schedule_sync(schedule):
+  """Arrive at and wait for the schedule barrier, which alternates the two
+  compute warpgroups."""
+  plgpu = mosaic_common.plgpu()
+  plgpu.barrier_arrive(schedule)
+  plgpu.barrier_wait(schedule)
+
+
+def _forward_step(p: ForwardParams, ring: _Ring, q_smem, seg_ref, bi, q_start, q_temp, kb,
+                  state, masked):
+  """One key tile: s = Q K^T, the online softmax step, acc += p V; the
+  schedule barrier between the two matmuls hands the tensor cores to the other
+  compute warpgroup."""
+  plgpu = mosaic_common.plgpu()
+  s = ring_slot(kb, ring.lo, p.stages)
+  plgpu.barrier_wait(ring.k_loaded.at[s])
+
+  def qk(acc_ref):
+    plgpu.wgmma(acc_ref, q_smem, ring.k_smem.at[s].transpose((1, 0)))
+    _schedule_sync(ring.schedule)
+    return acc_ref[...]
+
+  scores = pl.run_scoped(qk, plgpu.ACC((p.block_q, p.block_kv), jnp.float32))
+  plgpu.barrier_arrive(ring.k_free.at[s])
+  logits = tile_logits(p.spec, scores, q_temp, q_start, kb * p.block_kv, masked=masked,
+                       seg_ref=seg_ref, batch=bi, padded=p.padded, fast_cap=p.fast_cap)
+  m, l, correction, probs = state.step(logits, p.shift)
+  acc = state.rescaled_acc(correction)
+  probs = probs.astype(p.dtype)
+  plgpu.barrier_arrive(ring.schedule)
+  plgpu.barrier_wait(ring.v_loaded.at[s])
+  plgpu.barrier_wait(ring.schedule)
+
+  def pv(acc_ref):
+    plgpu.wgmma(acc_ref, probs, ring.v_smem.at[s])
+
+  acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+  plgpu.barrier_arrive(ring.v_free.at[s])
+  return SoftmaxState(m, l, acc)
+
+
 def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_cap: bool):
   """(out [B, T, Hq, D], lse2 [B, Hq, T] base 2) of the unpadded inputs;
   ``seg`` [B, T] int32 or None; ``temp`` [B, T, Hq] float32 or None."""
-  plgpu = mosaic_common.plgpu()
   b, t, hq, d = q.shape
-  group = spec.group_size
   dtype = q.dtype
-  block_q = tiles.block_q
   head_dim = mosaic_common.padded_head_dim(d)
-  block_kv = tiles.block_kv
-  rows = 2 * block_q
-  seq_pad = mosaic_common.padded_length(t, rows, block_kv)
-  padded = seq_pad != t
-  num_kv = seq_pad // block_kv
-  stages = min(tiles.stages, num_kv)
+  rows = 2 * tiles.block_q
+  seq_pad = mosaic_common.padded_length(t, rows, tiles.block_kv)
+  has_seg, has_temp = seg is not None, temp is not None
+  p = ForwardParams(
+      spec=spec,
+      # kv_tiles/kv_block_range count tiles over the padded length; masks use
+      # spec's own seq_len (visible_mask's padded flag hides the padding).
+      spec_padded=dataclasses.replace(spec, seq_len=seq_pad),
+      dtype=dtype, block_q=tiles.block_q, block_kv=tiles.block_kv, head_dim=head_dim,
+      stages=min(tiles.stages, seq_pad // tiles.block_kv), padded=seq_pad != t,
+      has_temp=has_temp, shift=fixed_shift(spec, dtype, has_temp), fast_cap=fast_cap)
 
   q, k, v = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
-  has_seg, has_temp = seg is not None, temp is not None
-  spans = tile_ranges(seg, seq_pad, block_q) if has_seg else None
+  spans = tile_ranges(seg, seq_pad, p.block_q) if has_seg else None
   seg = pad(seg, {1: seq_pad}) if has_seg else None
   temp = pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad}) if has_temp else None
-  shift = fixed_shift(spec, dtype, has_temp)
-  # kv_tiles/kv_block_range count tiles over the padded length; masks use
-  # spec's own seq_len (visible_mask's padded flag hides the padding).
-  spec_padded = dataclasses.replace(spec, seq_len=seq_pad)
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-  def kernel(q_ref, k_ref, v_ref, seg_ref, spans_ref, temp_ref, out_ref, lse_ref,
-             q_smem2, k_smem, v_smem, lse_smem2,
-             q_loaded, k_loaded, v_loaded, k_free, v_free, schedule):
-    bi = lax.axis_index("batch")
-    h = lax.axis_index("heads")
-    tile = lax.axis_index("q_tiles")
-    wg = lax.axis_index("wg")
-    kv_head = lax.div(h, jnp.int32(group))
-    hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
-    cta_lo, cta_hi = program_tiles(kv_tiles(
-        spec_padded, tile * rows, rows, block_kv, padded, hull))
-
-    def slot(kb):
-      return lax.rem(kb - cta_lo, jnp.int32(stages))
-
-    def schedule_sync():
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(schedule)
-
-    @pl.when(wg < 2)
-    def _compute():
-      plgpu.set_max_registers(232, action="increase")
-      q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
-      q_start = tile * rows + wg * block_q
-      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, block_q), h], q_smem,
-                              q_loaded.at[wg])
-      q_temp = (load_vector(temp_ref.at[bi, h, pl.ds(q_start, block_q)], row_layout)
-                if has_temp else None)
-      plgpu.barrier_wait(q_loaded.at[wg])
-
-      def drain(kb, carry):
-        s = slot(kb)
-        plgpu.barrier_wait(k_loaded.at[s])
-        plgpu.barrier_arrive(k_free.at[s])
-        schedule_sync()
-        plgpu.barrier_wait(v_loaded.at[s])
-        plgpu.barrier_arrive(v_free.at[s])
-        schedule_sync()
-        return carry
-
-      def visit(kb, state, masked):
-        s = slot(kb)
-        plgpu.barrier_wait(k_loaded.at[s])
-
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[s].transpose((1, 0)))
-          schedule_sync()
-          return acc_ref[...]
-
-        scores = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[s])
-        logits = tile_logits(spec, scores, q_temp, q_start, kb * block_kv, masked=masked,
-                             seg_ref=seg_ref, batch=bi, padded=padded,
-                             fast_cap=fast_cap)
-        m, l, correction, p = state.step(logits, shift)
-        acc = state.rescaled_acc(correction)
-        p = p.astype(dtype)
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(v_loaded.at[s])
-        plgpu.barrier_wait(schedule)
-
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p, v_smem.at[s])
-
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[s])
-        return SoftmaxState(m, l, acc)
-
-      state = SoftmaxState(
-          plgpu.layout_cast(jnp.full((block_q,), -jnp.inf if shift is None else shift,
-                                     jnp.float32), row_layout),
-          plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout),
-          plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA))
-      tiles = own_tiles(kv_tiles(
-          spec_padded, q_start, block_q, block_kv, padded,
-          own_span, own_uniform), cta_lo, cta_hi)
-      pl.when(wg == 1)(schedule_sync)
-      state = lax.fori_loop(cta_lo, tiles.lo, drain, state)
-      state = tile_loop(tiles, visit, state)
-      state = lax.fori_loop(tiles.hi, cta_hi, drain, state)
-      pl.when(wg == 0)(schedule_sync)
-
-      out, lse2 = state.finalize()
-      q_smem[...] = out.astype(dtype)  # Q's buffer holds O on its way out
-      lse_smem[...] = lse2
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, out_ref.at[bi, pl.ds(q_start, block_q), h])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, h, pl.ds(q_start, block_q)])
-      plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == 2)
-    def _memory():
-      plgpu.set_max_registers(40, action="decrease")
-
-      @pl.loop(cta_lo, cta_hi)
-      def _(kb):
-        s = slot(kb)
-        rows_of = (bi, pl.ds(kb * block_kv, block_kv), kv_head)
-
-        @pl.when(kb >= cta_lo + stages)
-        def _():
-          plgpu.barrier_wait(k_free.at[s])
-
-        plgpu.copy_gmem_to_smem(k_ref.at[rows_of], k_smem.at[s], k_loaded.at[s])
-
-        @pl.when(kb >= cta_lo + stages)
-        def _():
-          plgpu.barrier_wait(v_free.at[s])
-
-        plgpu.copy_gmem_to_smem(v_ref.at[rows_of], v_smem.at[s], v_loaded.at[s])
-
-      # Observe the last release of every slot: a barrier's final phase is
-      # waited for by each thread that waits on it (Mosaic's interpreter
-      # checks this), at no cost, after the last copy.
-      @pl.loop(jnp.maximum(cta_hi - stages, cta_lo), cta_hi)
-      def _(kb):
-        plgpu.barrier_wait(k_free.at[slot(kb)])
-        plgpu.barrier_wait(v_free.at[slot(kb)])
-
-  swizzled = mosaic_common.swizzled()
-  scratch = [
-      plgpu.SMEM((2, block_q, head_dim), dtype, transforms=swizzled),
-      plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=swizzled),
-      plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=swizzled),
-      plgpu.SMEM((2, block_q), jnp.float32),
-      plgpu.Barrier(num_barriers=2),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2),
-  ]
-  params = plgpu.CompilerParams(approx_math=mosaic_common.approx_math(spec, fast_cap),
-                                lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-  call = mosaic_common.kernel_call(
-      kernel,
+  call = mosaic_common.warp_specialized_call(
+      functools.partial(forward_kernel, p),
+      spec=spec, fast_cap=fast_cap,
       out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((b, hq, seq_pad), jnp.float32)),
-      scratch_types=scratch,
+      scratch_types=forward_scratch(p),
       grid=(hq, seq_pad // rows, b),
       grid_names=("heads", "q_tiles", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=params,
       kernel_name="ua_forward_mosaic",
   )
   with fast_math.native("mosaic"):
