@@ -30,8 +30,13 @@ import numpy as np
 # Significand bits and smallest normal exponent of the output dtypes.
 _SIGNIFICAND = {"float32": 23, "bfloat16": 7, "float16": 10, "float64": 52}
 _MIN_EXPONENT = {"float32": -126, "bfloat16": -126, "float16": -14, "float64": -1022}
-# A mean signed error below this many ulps never fails (docs/TOLERANCES.md, "Bias").
+# A mean difference below this many ulps never fails: pooled over a campaign
+# (per output and dtype), and on one case. ua_kernels' bfloat16 out reaches
+# -0.27 ulp on single cases whose logits saturate a cap (a few distinct
+# probabilities, each rounded one way), -0.021 pooled over 69 ci cases;
+# rounding toward zero gives about -0.5 (docs/TOLERANCES.md, "Bias").
 BIAS_FLOOR_ULPS = 0.1
+CASE_BIAS_FLOOR_ULPS = 0.4
 # Differences within this many ulps count as none, of neither sign.
 DEAD_ZONE_ULPS = 2.0 ** -6
 # Judged: outputs returned in 16-bit dtypes, whose error is the final rounding
