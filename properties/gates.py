@@ -64,6 +64,23 @@ def load_baseline(path: str) -> dict:
   return data
 
 
+def platform() -> dict:
+  """What a baseline's errors depend on besides the code: the jax release and
+  the backend (XLA's CPU and GPU code differ in their roundings)."""
+  import jax
+  return {"jax": jax.__version__, "backend": jax.default_backend()}
+
+
+def same_platform(baseline: dict) -> bool:
+  return all(baseline.get(key) == value for key, value in platform().items())
+
+
+def platform_note(baseline: dict) -> str:
+  return (f"the baseline was recorded on jax {baseline.get('jax')} ({baseline.get('backend')}), "
+          f"this run is on jax {platform()['jax']} ({platform()['backend']}): its comparison "
+          f"is shown, not judged")
+
+
 def _paired_log_ratios(baseline: dict, records: list[dict]) -> dict[str, list[float]]:
   """Per output/dtype: log2(new / old) of every matched pair with both ratios
   positive and finite."""
@@ -107,7 +124,7 @@ def compare_with_baseline(baseline: dict, records: list[dict]) -> dict[str, dict
 
 def summary_lines(report: dict) -> list[str]:
   """The terminal lines of the campaign verdicts in ``report``."""
-  lines = []
+  lines = [f"baseline: {report['baseline_note']}"] if report.get("baseline_note") else []
   for name, v in report.get("bias", {}).items():
     flag = "BIASED" if v["biased"] else "ok"
     lines.append(f"bias {name:18} {flag:6} mean {v['mean_ulps']:+.4f} ulp over {v['n']} "

@@ -228,7 +228,7 @@ def run_mutant(mutant: Mutant, root: Path, timeout: float, save_cases: Path | No
     env = dict(os.environ, PYTHONPATH=str(copy))
     cmd = [sys.executable, "-m", "pytest", *TEST_ORDER, "-x", "-q", "-p", "no:cacheprovider",
            "--hypothesis-profile=ua-ci", f"--ua-failures={copy / 'ua-failures'}",
-           "-o", "addopts="]
+           "-o", "addopts="] + _baseline_args(copy)
     start = time.time()
     try:
       proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
@@ -242,6 +242,9 @@ def run_mutant(mutant: Mutant, root: Path, timeout: float, save_cases: Path | No
       save_cases.mkdir(parents=True, exist_ok=True)
       shutil.copy(saved[0], save_cases / f"mutant-{mutant.id}-{saved[0].name}")
   failed = re.findall(r"^FAILED (\S+)", output, re.M)
+  # A campaign verdict (properties/gates.py) fails the session with no test failed.
+  failed += [f"::{kind}-verdict[{group}]" for kind, group in
+             re.findall(r"^(bias|baseline) (\S+)\s+(?:BIASED|REGRESSED)", output, re.M)]
   if code is None:
     status = "timeout"
   elif code == 0:
@@ -253,6 +256,15 @@ def run_mutant(mutant: Mutant, root: Path, timeout: float, save_cases: Path | No
   killer = failed[0].split("::", 1)[-1].split(" ")[0] if failed else ""
   return {"id": mutant.id, "status": status, "killed_by": killer, "seconds": round(seconds, 1),
           "description": mutant.description, "tail": output[-1500:] if status == "error" else ""}
+
+
+def _baseline_args(copy: Path) -> list[str]:
+  """--ua-baseline with the checkout's precision baseline of ua_kernels for
+  the running jax release (docs/baselines/), where there is one: a mutant that
+  only makes the errors grow is killed by that verdict."""
+  import jax
+  path = copy / "docs" / "baselines" / f"ua_kernels-ci-jax{jax.__version__}.json"
+  return [f"--ua-baseline={path}"] if path.exists() else []
 
 
 def rotating_subset(count: int, key: str | None = None) -> list[Mutant]:

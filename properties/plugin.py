@@ -17,6 +17,8 @@ properties.suite --impl mypkg.mod:fn``. Options:
                               URL (redis://HOST:PORT/DB) read and written, shared
                               by campaigns on several hosts (properties/databases.py)
   --ua-compile-cache DIR      JAX's persistent compilation cache
+  --ua-save-baseline FILE     every case's error/tolerance per output, for --ua-baseline
+  --ua-baseline FILE          fail when errors grew significantly against it (gates.py)
 
 Profiles: ``--hypothesis-profile ua-ci|ua-dev|ua-fuzz|ua-gpu`` (properties/profiles.py).
 The report is built from the test reports' ``user_properties`` (one entry per
@@ -594,12 +596,16 @@ def _campaign_gates(config, records: list[dict], report: dict) -> bool:
   failed = any(v["biased"] for v in report["bias"].values())
   baseline = config.getoption("ua_baseline")
   if baseline:
-    report["baseline"] = gates.compare_with_baseline(gates.load_baseline(baseline), records)
-    failed |= any(v["regressed"] for v in report["baseline"].values())
+    saved = gates.load_baseline(baseline)
+    report["baseline"] = gates.compare_with_baseline(saved, records)
+    if gates.same_platform(saved):
+      failed |= any(v["regressed"] for v in report["baseline"].values())
+    else:
+      report["baseline_note"] = gates.platform_note(saved)
   save = config.getoption("ua_save_baseline")
   if save:
     gates.save_baseline(save, records, {"impl": report["impl"], "profile": report["profile"],
-                                        "commit": report["commit"]})
+                                        "commit": report["commit"], **gates.platform()})
   return failed
 
 
