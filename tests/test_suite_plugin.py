@@ -47,7 +47,8 @@ def test_declared_tiles_expose_a_window_bound_defect_in_the_ci_profile(tmp_path)
 
 def test_a_crashing_case_is_reported_and_the_run_goes_on(tmp_path):
   proc, report = run_suite(tmp_path, "outside_kernels:crashing_attention",
-                           "-n", "1", "-k", "matches_oracle and (float32 or float16) and not bfloat16")
+                           "-n", "1", "-k", "matches_oracle and (float32 or float16) and not bfloat16 "
+                           "and not cap and not mask and not long")  # not the focused tests
   assert proc.returncode == 1
   crashed = report["crashed"]
   assert len(crashed) == 2, report  # one per test: the worker was replaced after the first
@@ -60,7 +61,8 @@ def test_a_crashing_case_is_reported_and_the_run_goes_on(tmp_path):
 
 def test_a_hanging_case_is_ended_by_its_timeout(tmp_path):
   proc, report = run_suite(tmp_path, "outside_kernels:hanging_attention", "-n", "1",
-                           "--ua-case-timeout=30", "-k", "matches_oracle and float32")
+                           "--ua-case-timeout=30", "-k",
+                           "matches_oracle and float32 and not cap and not mask and not long")
   assert proc.returncode == 1
   assert [c["status"] for c in report["crashed"]] == ["timeout"], report
 
