@@ -34,9 +34,9 @@ _MIN_EXPONENT = {"float32": -126, "bfloat16": -126, "float16": -14, "float64": -
 # (per output and dtype), and on one case. ua_kernels' bfloat16 out reaches
 # -0.27 ulp on single cases whose logits saturate a cap (a few distinct
 # probabilities, each rounded one way), -0.021 pooled over 69 ci cases;
-# rounding toward zero gives about -0.5 (docs/TOLERANCES.md, "Bias").
+# rounding toward zero gives -0.42 to -0.5 against the reference (docs/TOLERANCES.md, "Bias").
 BIAS_FLOOR_ULPS = 0.1
-CASE_BIAS_FLOOR_ULPS = 0.4
+CASE_BIAS_FLOOR_ULPS = 0.35
 # Differences within this many ulps count as none, of neither sign.
 DEAD_ZONE_ULPS = 2.0 ** -6
 # Judged: outputs returned in 16-bit dtypes, whose error is the final rounding
