@@ -361,8 +361,9 @@ class Suite:
     if prop.name in self.profile.chunked_properties:
       examples = self.profile.chunked_examples
     if test.focus:
-      examples = (self.profile.long_examples if test.focus == "long"
-                  else self.profile.focus_examples)
+      examples = {"long": self.profile.long_examples}.get(
+          test.focus, self.profile.mask_focus_examples if test.focus.startswith("mask-")
+          else self.profile.focus_examples)
     run = settings(settings.get_profile(self.profile.hypothesis_name),
                    database=self.database(test), max_examples=examples)(run)
     if test.chunks > 1:

@@ -88,9 +88,11 @@ class Profile:
   oracle_chunks: int = 1
   oracle_examples: int | None = None
   seeds: int = 1
-  # Examples of each focused oracle test (plugin.FOCUSES: one per cap method,
-  # mask kind and dtype), and of the long one per dtype.
+  # Examples of each focused oracle test (plugin.focuses(): per cap method and
+  # dtype; per mask kind and dtype, which matches_oracle also draws half the
+  # time each), and of the long one per dtype.
   focus_examples: int = 2
+  mask_focus_examples: int = 1
   long_examples: int = 1
   # Properties drawn on the long lengths and large head dims (Buckets.long_*).
   long_properties: tuple[str, ...] = ("mask_is_exact",)
@@ -118,11 +120,11 @@ PROFILES = {p.name: p for p in (
                                              phases=[Phase.explicit, Phase.generate])),
     Profile("dev", BUCKETS["dev"], 3.0, dict(phases=[Phase.explicit, Phase.reuse,
                                                      Phase.generate, Phase.shrink]),
-            focus_examples=4, long_examples=2),
+            focus_examples=4, mask_focus_examples=2, long_examples=2),
     # Randomized and long; targets the error/tolerance ratio.
     Profile("fuzz", BUCKETS["fuzz"], 25.0, dict(
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]),
-        focus_examples=20, long_examples=5),
+        focus_examples=20, mask_focus_examples=10, long_examples=5),
     # The GPU campaign: compiled kernels at their own tiles; the oracle property
     # as 10 tests per dtype of 6 configurations x 6 input seeds (1080 oracle
     # cases) and 7 focused tests per dtype of 2 x 6 (252); the exact mask and
@@ -131,7 +133,7 @@ PROFILES = {p.name: p for p in (
     # file replays it); saved failures replayed first.
     Profile("gpu", BUCKETS["gpu"], 1.0, dict(
         derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate]),
-        oracle_chunks=10, oracle_examples=6, seeds=6,
+        oracle_chunks=10, oracle_examples=6, seeds=6, mask_focus_examples=2,
         long_properties=("mask_is_exact", "hidden_keys_do_not_leak"),
         chunked_properties=("mask_is_exact", "hidden_keys_do_not_leak"), chunked_examples=15),
 )}
