@@ -46,7 +46,7 @@ BUCKETS = {
                   head_dims=(16, 24, 32, 40, 64),
                   heads=((1, 1), (2, 2), (2, 1), (4, 2), (4, 1), (8, 1), (8, 4)),
                   batches=(1, 2), tiles=_SMALL_TILES * 2 + (None, (16, 16)),
-                  max_seq_len=400, long_seq=129, long_seq_lens=(257, 300, 1025, 1100)),
+                  max_seq_len=400, long_seq=129, long_seq_lens=(257, 300, 1025)),
     "dev": Buckets(seq_lens=(1, 3, 16, 31, 33, 64, 65, 127, 128, 129, 211, 256),
                    head_dims=(16, 24, 32, 48, 64, 80, 128),
                    heads=((1, 1), (3, 3), (2, 1), (4, 2), (4, 1), (8, 2), (8, 1)),
