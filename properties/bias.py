@@ -109,17 +109,22 @@ class BiasStats:
     return dataclasses.asdict(self)
 
 
-def verdicts(stats: dict[str, BiasStats], alpha: float = BIAS_ALPHA,
-             floor: float = BIAS_FLOOR_ULPS) -> dict[str, dict]:
-  """Per name: the sign test's p-value, Holm-adjusted over ``stats``, the mean
-  signed error, and ``biased``: significant at ``alpha`` and a mean of at
-  least ``floor`` ulps."""
-  p = {name: s.p_value() for name, s in stats.items()}
+def holm(p: dict[str, float]) -> dict[str, float]:
+  """Holm's step-down adjustment of the p-values ``p`` (a family-wise rate)."""
   order = sorted(p, key=p.get)
   adjusted, running = {}, 0.0
   for rank, name in enumerate(order):
     running = max(running, min(1.0, (len(order) - rank) * p[name]))
     adjusted[name] = running
+  return adjusted
+
+
+def verdicts(stats: dict[str, BiasStats], alpha: float = BIAS_ALPHA,
+             floor: float = BIAS_FLOOR_ULPS) -> dict[str, dict]:
+  """Per name: the sign test's p-value, Holm-adjusted over ``stats``, the mean
+  signed error, and ``biased``: significant at ``alpha`` and a mean of at
+  least ``floor`` ulps."""
+  adjusted = holm({name: s.p_value() for name, s in stats.items()})
   return {name: {"p_holm": adjusted[name], "mean_ulps": s.mean, "n": s.n,
                  "below": s.below, "above": s.above,
                  "biased": adjusted[name] < alpha and abs(s.mean) >= floor}

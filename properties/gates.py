@@ -20,8 +20,8 @@ import collections
 import json
 import math
 
-from .bias import (BIAS_ALPHA, CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, output_dtype,
-                   verdicts)
+from .bias import (BIAS_ALPHA, CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, holm,
+                   output_dtype, verdicts)
 
 # A group regresses only if its errors grew by this factor (geometric mean) or more.
 REGRESSION_FLOOR = 1.25
@@ -123,11 +123,7 @@ def compare_with_baseline(baseline: dict, records: list[dict]) -> dict[str, dict
   for name, logs in groups.items():
     moved = [x for x in logs if x != 0.0]
     p[name] = 1.0 if len(moved) < 2 else float(wilcoxon(moved, alternative="greater").pvalue)
-  order = sorted(p, key=p.get)
-  adjusted, running = {}, 0.0
-  for rank, name in enumerate(order):
-    running = max(running, min(1.0, (len(order) - rank) * p[name]))
-    adjusted[name] = running
+  adjusted = holm(p)
   out = {}
   for name, logs in sorted(groups.items()):
     growth = 2.0 ** (sum(logs) / len(logs))
