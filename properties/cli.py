@@ -118,6 +118,12 @@ def verify_main(argv=None) -> int:
                            "distributions the page shows beside this run's")
   parser.add_argument("--compile-cache", default=None,
                       help="JAX persistent compilation cache (gpu profile: .ua-jax-cache)")
+  parser.add_argument("--compile-threads", type=int, default=None,
+                      help="threads each worker compiles an oracle case's executables on "
+                           "(gpu profile: 4; else 1)")
+  parser.add_argument("--seeds", type=int, default=None,
+                      help="input seeds per drawn configuration of an oracle property "
+                           "(default: the profile's)")
   parser.add_argument("--save-baseline", default=None, metavar="FILE",
                       help="write every case's error/tolerance per output to FILE (a "
                            "precision baseline; the ci profile draws the same cases each run)")
@@ -156,6 +162,7 @@ def verify_main(argv=None) -> int:
     chunks = TIME_BOX_ORACLE_CHUNKS
   timeout = args.case_timeout if args.case_timeout is not None else (900.0 if gpu else None)
   cache = args.compile_cache or (".ua-jax-cache" if gpu else None)
+  threads = args.compile_threads if args.compile_threads is not None else (4 if gpu else 1)
   # ua-verify runs inside the package whose plugin pytest then loads: pytest's
   # note that it cannot rewrite the already imported package's asserts is moot.
   pytest_args = ["--pyargs", "properties.suite", "-q", "-p", "no:cacheprovider",
@@ -168,6 +175,7 @@ def verify_main(argv=None) -> int:
                       ("--ua-case-timeout", timeout), ("--ua-database", args.database),
                       ("--ua-shared-database", args.shared_database),
                       ("--ua-compile-cache", cache),
+                      ("--ua-compile-threads", threads), ("--ua-seeds", args.seeds),
                       ("--ua-save-baseline", args.save_baseline),
                       ("--ua-baseline", args.baseline)):
     if value is not None and value != "":

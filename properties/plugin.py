@@ -17,6 +17,8 @@ properties.suite --impl mypkg.mod:fn``. Options:
                               URL (redis://HOST:PORT/DB) read and written, shared
                               by campaigns on several hosts (properties/databases.py)
   --ua-compile-cache DIR      JAX's persistent compilation cache
+  --ua-compile-threads N      compile an oracle case's four executables on N threads at once
+  --ua-seeds N                input seeds per drawn configuration (default: the profile's)
   --ua-save-baseline FILE     every case's error/tolerance per output, for --ua-baseline
   --ua-baseline FILE          fail when errors grew significantly against it (gates.py)
 
@@ -69,6 +71,12 @@ def pytest_addoption(parser):
                        "shared by campaigns on several hosts)")
   group.addoption("--ua-compile-cache", default=None,
                   help="directory of JAX's persistent compilation cache")
+  group.addoption("--ua-compile-threads", type=int, default=1,
+                  help="threads an oracle case's executables (the implementation's VJP and "
+                       "plain call, the oracle, the reference) compile on at once")
+  group.addoption("--ua-seeds", type=int, default=None,
+                  help="input seeds per drawn configuration of an oracle property "
+                       "(default: the profile's)")
   group.addoption("--ua-save-baseline", default=None,
                   help="write every case's error/tolerance per output here (a baseline)")
   group.addoption("--ua-baseline", default=None,
@@ -84,6 +92,10 @@ def _check_options(config):
   minutes = config.getoption("ua_minutes")
   if minutes is not None and not minutes >= 0:  # 0: a spent box, every test skipped
     raise pytest.UsageError(f"--ua-minutes must be at least 0, got {minutes}")
+  for name in ("ua_compile_threads", "ua_seeds"):
+    value = config.getoption(name)
+    if value is not None and value < 1:
+      raise pytest.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
   report = config.getoption("ua_report")
   if report and not os.path.isdir(os.path.dirname(os.path.abspath(report))):
     raise pytest.UsageError(f"--ua-report {report}: no directory "
@@ -128,6 +140,8 @@ def pytest_configure(config):
   else:
     profiles.register()
   _check_options(config)
+  from . import runner
+  runner.compile_threads = config.getoption("ua_compile_threads")
   cache = config.getoption("ua_compile_cache")
   if cache:
     import jax
@@ -335,7 +349,7 @@ class Suite:
     verifier = Verifier(impl, self.config.getoption("ua_failures"), self.imports,
                         record=lambda r: node.user_properties.append((_RECORD, r)),
                         case_timeout=self.config.getoption("ua_case_timeout"))
-    seeds = self.profile.seeds if prop.oracle else 1
+    seeds = (self.config.getoption("ua_seeds") or self.profile.seeds) if prop.oracle else 1
     # Each chunk starts from Hypothesis's simplest configuration; an offset per
     # chunk gives that one (and every other) different inputs in each chunk.
     offset = 104729 * test.chunk

@@ -37,6 +37,7 @@ class Property:
   applies: Callable[[Case], bool] = _always
   per_dtype: bool = False
   oracle: bool = False  # compares with the float64 oracle (counts as an oracle case)
+  x64: bool = False  # calls the implementation with jax_enable_x64 on
   uses_cap_method: str | None = None  # a cap method the check itself calls with
   # Whether the verifier computes the oracle's baseline first (the check scores
   # against it); a check with inputs of its own skips that cost.
@@ -68,7 +69,8 @@ def _hides_a_key(case: Case) -> bool:
 
 PROPERTIES = (
     Property("matches_oracle", checks.matches_oracle, 15, per_dtype=True, oracle=True),
-    Property("matches_oracle_under_x64", checks.matches_oracle_under_x64, 6, oracle=True),
+    Property("matches_oracle_under_x64", checks.matches_oracle_under_x64, 6, oracle=True,
+             x64=True),
     Property("key_permutation_invariance", checks.key_permutation_invariance, 4,
              forbid=frozenset({"causal", "window", "segment_ids"}), applies=_longer_than_one),
     Property("packed_equals_separate", checks.packed_equals_separate, 4,

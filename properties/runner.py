@@ -1,18 +1,25 @@
 """Runs a Case through an implementation, the reference and the oracle.
 
-Compiled callables are cached per (implementation, static part of the case,
-flavour), so examples that share a shape bucket, and the several input seeds
-of one configuration, reuse them. The oracle (the reference on float64 copies
-of the inputs) and the same-precision reference are compiled without XLA's
-GEMM autotuning: it does not change what they compute, and it dominated
-their compile time on the GPU (docs/VERIFICATION.md).
+Executables are compiled ahead of time and cached per (implementation, static
+part of the case, flavour, x64), so examples that share a shape bucket, and the
+several input seeds of one configuration, reuse them. ``prepare`` compiles the
+four an oracle check needs (the implementation's VJP and plain call, the oracle,
+the reference) on ``compile_threads`` threads at once: XLA compiles without
+the GIL, and on the GPU compiling, not running, is where a campaign's seconds
+go (docs/VERIFICATION.md). The oracle (the reference on float64 copies of the
+inputs) and the same-precision reference are compiled without XLA's GEMM
+autotuning: it does not change what they compute, and it dominated their
+compile time on the GPU.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +35,12 @@ from .tolerance import OUTPUTS, OutputError, compare, floors, reference_error
 REFERENCE = declare("ua_reference:attention", ua_reference.attention)
 # Per-compile options of the oracle and the reference (not of the implementation).
 _HARNESS_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
-_REFERENCE_EXECUTABLES: dict = {}  # (static key, float64, shapes) -> executable
+_MAX_EXECUTABLES = 256
+_EXECUTABLES: collections.OrderedDict = collections.OrderedDict()  # key -> compiled, LRU
+_EXECUTABLES_LOCK = threading.Lock()
+# Threads prepare() compiles on (1: none, everything compiles where it is first called).
+compile_threads = 1
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 class HarnessError(RuntimeError):
@@ -37,15 +49,34 @@ class HarnessError(RuntimeError):
   failure."""
 
 
-@contextlib.contextmanager
 def x64(enabled: bool):
-  """Scoped jax_enable_x64 on both supported jax versions."""
-  previous = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", enabled)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_x64", previous)
+  """Scoped jax_enable_x64 for this thread alone (jax's thread-local
+  ``jax.enable_x64``, on every supported jax), so that prepare's threads can
+  compile the float64 oracle beside a 32-bit implementation."""
+  return jax.enable_x64(bool(enabled))
+
+
+def _x64_on() -> bool:
+  return bool(jax.config.jax_enable_x64)
+
+
+def _executable(key, make_fn, args, compiler_options=None):
+  """The compiled executable of ``jax.jit(make_fn())`` on ``args``' shapes,
+  built once per key (the key says what the trace depends on)."""
+  key = key + (_x64_on(),)
+  with _EXECUTABLES_LOCK:
+    executable = _EXECUTABLES.get(key)
+    if executable is not None:
+      _EXECUTABLES.move_to_end(key)
+      return executable
+  lowered = jax.jit(make_fn()).lower(*args)
+  executable = lowered.compile(compiler_options=compiler_options) if compiler_options \
+      else lowered.compile()
+  with _EXECUTABLES_LOCK:
+    _EXECUTABLES[key] = executable
+    while len(_EXECUTABLES) > _MAX_EXECUTABLES:
+      _EXECUTABLES.popitem(last=False)
+  return executable
 
 
 def _vjp_fn(impl: Implementation, case: Case, omit=()):
@@ -69,21 +100,24 @@ def _vjp_fn(impl: Implementation, case: Case, omit=()):
   return run
 
 
-@functools.lru_cache(maxsize=256)
-def _compiled(impl: Implementation, static_key, omit=()):
-  return jax.jit(_vjp_fn(impl, Case(*static_key), omit))
-
-
-@functools.lru_cache(maxsize=256)
-def _compiled_forward(impl: Implementation, static_key):
-  kwargs = impl.call_kwargs(Case(*static_key))
+def _forward_fn(impl: Implementation, case: Case):
+  kwargs = impl.call_kwargs(case)
 
   def run(q, k, v, segment_ids, temperature):
     result = impl.fn(q, k, v, segment_ids=segment_ids, temperature=temperature, **kwargs)
     out, lse = result if kwargs["return_lse"] else (result, None)
     return {"out": out, "lse": lse}
 
-  return jax.jit(run)
+  return run
+
+
+def _vjp_executable(impl: Implementation, case: Case, args, omit=()):
+  return _executable(("vjp", impl, case.static_key(), tuple(omit)),
+                     lambda: _vjp_fn(impl, case, omit), args)
+
+
+def _forward_executable(impl: Implementation, case: Case, args):
+  return _executable(("forward", impl, case.static_key()), lambda: _forward_fn(impl, case), args)
 
 
 def _args(inputs: dict, float64: bool):
@@ -103,7 +137,7 @@ def evaluate_forward(impl: Implementation, case: Case, inputs: dict | None = Non
   through its primal function rather than its fwd rule."""
   inputs = make_inputs(case) if inputs is None else inputs
   args = _args(inputs, float64=False)[:5]
-  return _as_numpy(_compiled_forward(impl, case.static_key())(*args))
+  return _as_numpy(_forward_executable(impl, case, args)(*args))
 
 
 def evaluate(impl: Implementation, case: Case, inputs: dict | None = None, *,
@@ -111,29 +145,67 @@ def evaluate(impl: Implementation, case: Case, inputs: dict | None = None, *,
   """Outputs and q/k/v cotangents of ``impl`` on the case, as numpy arrays;
   ``omit`` drops keyword arguments so defaults can be compared with explicit values."""
   inputs = make_inputs(case) if inputs is None else inputs
-  return _as_numpy(_compiled(impl, case.static_key(), omit)(*_args(inputs, float64=False)))
+  args = _args(inputs, float64=False)
+  return _as_numpy(_vjp_executable(impl, case, args, omit)(*args))
+
+
+def _reference_args(case: Case, inputs: dict, float64: bool):
+  args = _args(inputs, float64)
+  if not case.return_lse:
+    args = args[:6] + (jnp.zeros_like(args[6]),)  # no cotangent on an lse the case ignores
+  return args
+
+
+def _reference_executable(case: Case, args, float64: bool):
+  with_lse = dataclasses.replace(case, return_lse=True, tiles=None)
+  key = ("reference", with_lse.static_key(), float64,
+         tuple(None if a is None else a.shape for a in args))
+  return _executable(key, lambda: _vjp_fn(REFERENCE, with_lse), args,
+                     _HARNESS_COMPILER_OPTIONS)
 
 
 def _reference(case: Case, inputs: dict, float64: bool):
   """(outputs and cotangents, lse) of the reference; lse is computed even when
   the case does not return it (the floors need it)."""
-  with_lse = dataclasses.replace(case, return_lse=True, tiles=None)
-  args = _args(inputs, float64)
-  if not case.return_lse:
-    args = args[:6] + (jnp.zeros_like(args[6]),)  # no cotangent on an lse the case ignores
-  key = (with_lse.static_key(), float64, tuple(None if a is None else a.shape for a in args))
-  executable = _REFERENCE_EXECUTABLES.get(key)
-  if executable is None:
-    lowered = jax.jit(_vjp_fn(REFERENCE, with_lse)).lower(*args)
-    executable = lowered.compile(compiler_options=_HARNESS_COMPILER_OPTIONS)
-    if len(_REFERENCE_EXECUTABLES) >= 64:
-      _REFERENCE_EXECUTABLES.pop(next(iter(_REFERENCE_EXECUTABLES)))
-    _REFERENCE_EXECUTABLES[key] = executable
-  result = _as_numpy(executable(*args))
+  args = _reference_args(case, inputs, float64)
+  result = _as_numpy(_reference_executable(case, args, float64)(*args))
   lse = result["lse"]
   if not case.return_lse:
     result["lse"] = None
   return result, lse
+
+
+def prepare(impl: Implementation, case: Case) -> None:
+  """Compiles what an oracle check of ``case`` calls, the implementation's VJP
+  and plain call beside the oracle and the reference, on ``compile_threads``
+  threads at once; each in this thread's x64 mode, the harness's under x64 as
+  _harness runs them. A compile that fails is left for the check itself to
+  meet again, and to report as its own or the harness's failure."""
+  if compile_threads <= 1:
+    return
+  global _POOL
+  if _POOL is None:
+    _POOL = concurrent.futures.ThreadPoolExecutor(compile_threads, "ua-compile")
+  inputs = make_inputs(case)
+  impl_x64 = _x64_on()
+
+  def build(fn, *args, in_x64):
+    with x64(in_x64):
+      return fn(*args)
+
+  with x64(True):
+    oracle_args = _reference_args(case, inputs, float64=True)
+    reference_args = _reference_args(case, inputs, float64=False)
+  with x64(impl_x64):
+    args = _args(inputs, float64=False)
+  jobs = [(_vjp_executable, (impl, case, args), impl_x64),
+          (_forward_executable, (impl, case, args[:5]), impl_x64),
+          (_reference_executable, (case, oracle_args, True), True),
+          (_reference_executable, (case, reference_args, False), True)]
+  futures = [_POOL.submit(build, fn, *a, in_x64=flag) for fn, a, flag in jobs]
+  for future in futures:
+    with contextlib.suppress(Exception):
+      future.result()
 
 
 def baseline(case: Case):

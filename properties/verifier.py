@@ -26,7 +26,7 @@ from .capabilities import Implementation
 from .case import Case, write_case_file
 from .compile_clock import clock, persistent_cache_on
 from .registry import Property
-from .runner import HarnessError, baseline
+from .runner import HarnessError, baseline, prepare, x64
 from .tolerance import OutputError
 
 
@@ -106,6 +106,9 @@ class Verifier:
     start = (time.perf_counter(), clock().mark())
     watchdog = _Watchdog(None, None)
     try:
+      if prop.oracle:
+        with x64(prop.x64):
+          prepare(self.impl, case)  # every executable the check calls, compiled at once
       if prop.baseline:
         baseline(case)  # the harness's part, before the implementation's clock starts
       watchdog = _Watchdog(self.case_timeout, lambda: write(
