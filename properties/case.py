@@ -103,6 +103,10 @@ class Case:
   def digest(self) -> str:
     return hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
+  def static_digest(self) -> str:
+    """The digest of static_key: cases that share compiled executables share it."""
+    return hashlib.sha1(repr(self.static_key()).encode()).hexdigest()[:12]
+
 
 @functools.lru_cache(maxsize=1)
 def versions() -> dict[str, str]:

@@ -33,7 +33,7 @@ def _worker_args(args) -> list[str]:
   hands each worker a quarter of its share at once), so that the first round
   of property_tests spreads over all workers."""
   if args.gpus:
-    per_gpu = args.workers_per_gpu
+    per_gpu = args.workers_per_gpu or max(1, (os.cpu_count() or 8) // args.gpus)
     env = ("//env:XLA_PYTHON_CLIENT_PREALLOCATE=false"
            f"//env:XLA_PYTHON_CLIENT_MEM_FRACTION={0.9 / per_gpu:.3f}")
     out = []
@@ -90,7 +90,9 @@ def verify_main(argv=None) -> int:
                       help="pytest-xdist workers ('0' for none); ignored with --gpus")
   parser.add_argument("--gpus", type=int, default=0,
                       help="spread the workers over this many GPUs (one group per GPU)")
-  parser.add_argument("--workers-per-gpu", type=int, default=6)
+  parser.add_argument("--workers-per-gpu", type=int, default=None,
+                      help="workers on each GPU (default: the host's CPU cores over --gpus, "
+                           "as workers spend most of their time compiling)")
   parser.add_argument("--minutes", type=float, default=None,
                       help="time box: tests not started within it are skipped")
   parser.add_argument("--oracle-chunks", type=int, default=None,
@@ -120,7 +122,7 @@ def verify_main(argv=None) -> int:
                       help="JAX persistent compilation cache (gpu profile: .ua-jax-cache)")
   parser.add_argument("--compile-threads", type=int, default=None,
                       help="threads each worker compiles an oracle case's executables on "
-                           "(gpu profile: 4; else 1)")
+                           "(gpu profile: 2; else 1)")
   parser.add_argument("--seeds", type=int, default=None,
                       help="input seeds per drawn configuration of an oracle property "
                            "(default: the profile's)")
@@ -162,7 +164,7 @@ def verify_main(argv=None) -> int:
     chunks = TIME_BOX_ORACLE_CHUNKS
   timeout = args.case_timeout if args.case_timeout is not None else (900.0 if gpu else None)
   cache = args.compile_cache or (".ua-jax-cache" if gpu else None)
-  threads = args.compile_threads if args.compile_threads is not None else (4 if gpu else 1)
+  threads = args.compile_threads if args.compile_threads is not None else (2 if gpu else 1)
   # ua-verify runs inside the package whose plugin pytest then loads: pytest's
   # note that it cannot rewrite the already imported package's asserts is moot.
   pytest_args = ["--pyargs", "properties.suite", "-q", "-p", "no:cacheprovider",

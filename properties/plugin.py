@@ -507,8 +507,8 @@ def case_record(r: dict) -> dict:
   """What the report keeps of every case: enough for the distributions of
   error/tolerance per output and dtype (properties/html_report.py) and the
   time split, not the configuration."""
-  keys = ("property", "case", "oracle", "dtype", "status", "ratio", "ratios", "seconds",
-          "compile_seconds", "run_seconds", "compiled", "cache_hits", "host")
+  keys = ("property", "case", "configuration", "seq_len", "oracle", "dtype", "status", "ratio", "ratios",
+          "seconds", "compile_seconds", "run_seconds", "compiled", "cache_hits", "host")
   return {k: r[k] for k in keys if k in r}
 
 
@@ -547,9 +547,15 @@ def build_report(records: list[dict], crashed: list[dict], seconds: float) -> di
     props[c["property"]]["failures"] += 1
   minutes = max(seconds, 1e-9) / 60
   totals.pop("seconds", None)
+  # Distinct compiled configurations (static keys) the oracle cases ran: input
+  # seeds of one configuration share its executables.
+  configurations = len({(r["property"], r.get("configuration", r["case"]))
+                        for r in records if r["oracle"]})
   return {"cases": len(records), "oracle_cases": oracle_cases, "seconds": round(seconds, 1),
           "cases_per_minute": round(len(records) / minutes, 1),
           "oracle_cases_per_minute": round(oracle_cases / minutes, 1),
+          "oracle_configurations": configurations,
+          "oracle_configurations_per_minute": round(configurations / minutes, 1),
           **totals,
           "feature_groups": dict(sorted(groups.items())), "properties": dict(sorted(props.items())),
           "failures": failures, "crashed": crashed,
@@ -654,7 +660,10 @@ def write_report(write, report: dict) -> None:
   _print_table(write, "property", report["properties"])
   write(f"\n{report['cases']} cases ({report['oracle_cases']} against the oracle) in "
         f"{report['seconds']} s: {report['cases_per_minute']} cases/min, "
-        f"{report['oracle_cases_per_minute']} oracle cases/min\n")
+        f"{report['oracle_cases_per_minute']} oracle cases/min"
+        + (f" ({report['oracle_configurations']} compiled configurations, "
+           f"{report['oracle_configurations_per_minute']}/min)"
+           if "oracle_configurations" in report else "") + "\n")
   if "compile_seconds" in report:
     hits = report.get("cache_hits")
     write(f"case time: {report['compile_seconds']:.1f} s compiling ({report['compiled']} "

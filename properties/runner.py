@@ -179,7 +179,9 @@ def prepare(impl: Implementation, case: Case) -> None:
   """Compiles what an oracle check of ``case`` calls, the implementation's VJP
   and plain call beside the oracle and the reference, on ``compile_threads``
   threads at once; each in this thread's x64 mode, the harness's under x64 as
-  _harness runs them. A compile that fails is left for the check itself to
+  _harness runs them. The implementation's two also run once there: a Mosaic
+  GPU kernel is built when its executable first runs, which JAX's persistent
+  cache does not keep. A compile that fails is left for the check itself to
   meet again, and to report as its own or the harness's failure."""
   if compile_threads <= 1:
     return
@@ -189,20 +191,23 @@ def prepare(impl: Implementation, case: Case) -> None:
   inputs = make_inputs(case)
   impl_x64 = _x64_on()
 
-  def build(fn, *args, in_x64):
+  def build(fn, *args, in_x64, run=False):
     with x64(in_x64):
-      return fn(*args)
+      executable = fn(*args)
+      if run:  # a Mosaic GPU kernel builds its module on the first call, not in XLA's compile
+        jax.block_until_ready(executable(*args[-1]))
+      return executable
 
   with x64(True):
     oracle_args = _reference_args(case, inputs, float64=True)
     reference_args = _reference_args(case, inputs, float64=False)
   with x64(impl_x64):
     args = _args(inputs, float64=False)
-  jobs = [(_vjp_executable, (impl, case, args), impl_x64),
-          (_forward_executable, (impl, case, args[:5]), impl_x64),
-          (_reference_executable, (case, oracle_args, True), True),
-          (_reference_executable, (case, reference_args, False), True)]
-  futures = [_POOL.submit(build, fn, *a, in_x64=flag) for fn, a, flag in jobs]
+  jobs = [(_vjp_executable, (impl, case, args), impl_x64, True),
+          (_forward_executable, (impl, case, args[:5]), impl_x64, True),
+          (_reference_executable, (case, oracle_args, True), True, False),
+          (_reference_executable, (case, reference_args, False), True, False)]
+  futures = [_POOL.submit(build, fn, *a, in_x64=flag, run=run) for fn, a, flag, run in jobs]
   for future in futures:
     with contextlib.suppress(Exception):
       future.result()

@@ -157,7 +157,9 @@ class Verifier:
       ratios[name] = max(ratios.get(name, 0.0), e.ratio)
     finite = lambda r: float(r) if np.isfinite(r) else None
     ratio = max(ratios.values(), default=0.0)
-    record = {"property": prop.name, "case": case.digest(), "oracle": prop.oracle,
+    record = {"property": prop.name, "case": case.digest(),
+              "configuration": case.static_digest(), "seq_len": case.seq_len,
+              "oracle": prop.oracle,
               "groups": case.groups(), "dtype": case.dtype,
               "bias": {e.name: e.bias for e in errors if e.bias is not None},
               "status": status, "ratio": finite(ratio),
