@@ -36,6 +36,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -594,7 +595,9 @@ def pytest_sessionfinish(session):
   report = build_report(state.records, crashed, time.time() - state.started)
   from . import profiles
   report.update(impl=config.getoption("impl"), profile=profiles.active().name,
-                host=socket.gethostname(), commit=_commit())
+                host=socket.gethostname(), commit=_commit(), command=" ".join(sys.argv),
+                measured=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                versions=_package_versions())
   if _campaign_gates(config, state.records, report) and session.exitstatus == 0:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
   report["exit_status"] = int(session.exitstatus)
@@ -630,9 +633,23 @@ def _campaign_gates(config, records: list[dict], report: dict) -> bool:
   return failed
 
 
+def _package_versions() -> dict:
+  """The versions a report was made with, read without starting a backend here
+  (the controller of a GPU campaign leaves the GPUs to its workers)."""
+  import importlib.metadata
+  import platform
+  out = {"python": platform.python_version()}
+  for name in ("jax", "jaxlib", "numpy", "hypothesis", "triton"):
+    try:
+      out[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return out
+
+
 def _commit() -> str | None:
   """The git commit of the suite's own checkout, which a host's report came
-  from: None where this file is not tracked by git (an installed copy, even in
+  from, with ``+dirty`` where its files differ from that commit: None where this file is not tracked by git (an installed copy, even in
   a virtualenv inside a checkout) or there is no git."""
   here = os.path.dirname(os.path.abspath(__file__))
   git = lambda *args: subprocess.run(["git", "-C", here, *args], capture_output=True,
@@ -641,9 +658,13 @@ def _commit() -> str | None:
     if git("ls-files", "--error-unmatch", "--", os.path.basename(__file__)).returncode:
       return None
     out = git("rev-parse", "--short=12", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", here)
   except (OSError, subprocess.SubprocessError):
     return None
-  return (out.stdout.strip() or None) if out.returncode == 0 else None
+  if out.returncode or not out.stdout.strip():
+    return None
+  # A tree that differs from HEAD did not run HEAD's code: say so.
+  return out.stdout.strip() + ("+dirty" if changed.returncode or changed.stdout.strip() else "")
 
 
 def pytest_terminal_summary(terminalreporter, config):
