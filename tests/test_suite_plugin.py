@@ -193,6 +193,7 @@ def test_a_time_boxed_campaign_hands_out_tests_one_at_a_time():
     (("--impl=outside_kernels:no_such_function",), "--impl outside_kernels:no_such_function"),
     (("--ua-import=no_such_module_test",), "--ua-import no_such_module_test"),
     (("--ua-minutes=-1",), "--ua-minutes must be at least 0"),
+    (("--ua-seeds=0",), "--ua-seeds must be at least 1"),
 ])
 def test_plain_pytest_misuse_is_one_usage_error(tmp_path, args, message):
   """The plugin checks its options before collecting: one usage error (pytest's
