@@ -71,16 +71,11 @@ def profile_configuration(impl, case, seeds: int) -> dict:
   inputs, row["inputs"] = _timed(make_inputs, case)
   args = runner._args(inputs, float64=False)
   row["impl_vjp"] = _aot_steps(runner._vjp_fn(impl, case), args)
-  kwargs = impl.call_kwargs(case)
-
-  def plain(q, k, v, segment_ids, temperature):
-    return impl.fn(q, k, v, segment_ids=segment_ids, temperature=temperature, **kwargs)
-
-  row["impl_plain"] = _aot_steps(plain, args[:5])
+  row["impl_plain"] = _aot_steps(runner._forward_fn(impl, case), args[:5])
   with_lse = dataclasses.replace(case, return_lse=True, tiles=None)
   for name, float64 in (("oracle", True), ("reference", False)):
     with runner.x64(True):
-      ref_args = runner._args(inputs, float64)
+      ref_args = runner._reference_args(case, inputs, float64)
       row[name] = _aot_steps(runner._vjp_fn(runner.REFERENCE, with_lse), ref_args,
                              runner._HARNESS_COMPILER_OPTIONS)
   # The whole check on this seed, everything compiled (runner's own caches warm up

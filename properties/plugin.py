@@ -508,8 +508,8 @@ def case_record(r: dict) -> dict:
   """What the report keeps of every case: enough for the distributions of
   error/tolerance per output and dtype (properties/html_report.py) and the
   time split, not the configuration."""
-  keys = ("property", "case", "configuration", "seq_len", "oracle", "dtype", "status", "ratio", "ratios",
-          "seconds", "compile_seconds", "run_seconds", "compiled", "cache_hits", "host")
+  keys = ("property", "case", "configuration", "seq_len", "oracle", "dtype", "status", "ratio",
+          "ratios", "seconds", "compile_seconds", "run_seconds", "compiled", "cache_hits", "host")
   return {k: r[k] for k in keys if k in r}
 
 
@@ -649,8 +649,9 @@ def _package_versions() -> dict:
 
 def _commit() -> str | None:
   """The git commit of the suite's own checkout, which a host's report came
-  from, with ``+dirty`` where its files differ from that commit: None where this file is not tracked by git (an installed copy, even in
-  a virtualenv inside a checkout) or there is no git."""
+  from, with ``+dirty`` where its files differ from that commit: None where
+  this file is not tracked by git (an installed copy, even in a virtualenv
+  inside a checkout) or there is no git."""
   here = os.path.dirname(os.path.abspath(__file__))
   git = lambda *args: subprocess.run(["git", "-C", here, *args], capture_output=True,
                                      text=True, timeout=10)

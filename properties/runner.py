@@ -38,6 +38,7 @@ _HARNESS_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 _MAX_EXECUTABLES = 256
 _EXECUTABLES: collections.OrderedDict = collections.OrderedDict()  # key -> compiled, LRU
 _EXECUTABLES_LOCK = threading.Lock()
+_PREPARED: collections.OrderedDict = collections.OrderedDict()  # configurations prepare() built
 # Threads prepare() compiles on (1: none, everything compiles where it is first called).
 compile_threads = 1
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -185,11 +186,20 @@ def prepare(impl: Implementation, case: Case) -> None:
   meet again, and to report as its own or the harness's failure."""
   if compile_threads <= 1:
     return
+  impl_x64 = _x64_on()
+  # The further input seeds of a configuration find it prepared: no inputs made
+  # and no executable run again for them.
+  configuration = (impl, case.static_key(), impl_x64)
+  with _EXECUTABLES_LOCK:
+    if configuration in _PREPARED:
+      return
+    _PREPARED[configuration] = None
+    while len(_PREPARED) > _MAX_EXECUTABLES:
+      _PREPARED.popitem(last=False)
   global _POOL
   if _POOL is None:
     _POOL = concurrent.futures.ThreadPoolExecutor(compile_threads, "ua-compile")
   inputs = make_inputs(case)
-  impl_x64 = _x64_on()
 
   def build(fn, *args, in_x64, run=False):
     with x64(in_x64):

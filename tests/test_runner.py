@@ -58,3 +58,13 @@ def test_x64_is_scoped_to_the_thread():
     thread.join()
     assert jax.config.jax_enable_x64
   assert seen == [False]
+
+
+def test_a_prepared_configuration_is_not_prepared_again(threads, monkeypatch):
+  """The further input seeds of a configuration make no inputs and run nothing in prepare."""
+  case = dataclasses.replace(CASE, head_dim=32)
+  runner.prepare(IMPL, case)
+  made = []
+  monkeypatch.setattr(runner, "make_inputs", lambda c: made.append(c))
+  runner.prepare(IMPL, dataclasses.replace(case, seed=case.seed + 1))
+  assert made == []
