@@ -55,8 +55,9 @@ BUCKETS = {
                    long_seq_lens=(257, 383, 513, 1025, 1500, 2049)),
     # The compiled kernels' own tiles, T up to 16k; GQA up to 8 with long T
     # (a short non-causal window then gives rows of every length at once).
-    # Realistic values first: no shrinking here, and each campaign test starts
-    # from the first value of every choice.
+    # Realistic values first: no shrinking here, and a campaign test's first
+    # chunk starts from the first value of every choice (later chunks from
+    # rotated choices: strategies.cases).
     # Lengths of 4097 and more make about one case in eight: they cost seconds
     # each, against tenths for the rest.
     "gpu": Buckets(seq_lens=(1000, 1, 17, 128, 255, 513, 1024, 2047, 2048, 4097, 8191, 16384),

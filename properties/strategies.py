@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 from hypothesis import strategies as st
 
@@ -23,35 +24,60 @@ from .inputs import logit_scale
 from .profiles import Buckets
 
 
-def _pick(draw, values, what: str):
+def _rotated(values, rotation: int) -> list:
+  """``values`` starting at index ``rotation`` (mod their number): the first
+  value is what Hypothesis draws in a test's first, simplest example."""
+  values = list(values)
+  k = rotation % len(values) if values else 0
+  return values[k:] + values[:k]
+
+
+def _pick(draw, values, what: str, rotation: int = 0):
   if not values:
     raise ValueError(f"the profile's buckets leave no {what} to draw")
-  return draw(st.sampled_from(values)) if len(values) > 1 else values[0]
+  return draw(st.sampled_from(_rotated(values, rotation))) if len(values) > 1 else values[0]
 
 
-def _seq_len(draw, buckets: Buckets, tiles: tuple[int, ...]) -> int:
+def _first_true(rotation: int, name: str) -> bool:
+  """Whether choice ``name`` puts True first under ``rotation`` (a fixed coin
+  per pair; rotation 0 keeps False first, as st.booleans() does)."""
+  return rotation != 0 and random.Random(f"{rotation}:{name}").random() < 0.5
+
+
+def _boolean(draw, rotation: int, name: str) -> bool:
+  if rotation == 0:
+    return draw(st.booleans())
+  return draw(st.sampled_from((True, False) if _first_true(rotation, name) else (False, True)))
+
+
+def _seq_len(draw, buckets: Buckets, tiles: tuple[int, ...], rotation: int = 0) -> int:
   """A length from the bucket, or (half the time, given tiles) one at a tile edge."""
   edges = sorted({k * b + d for b in tiles for k in buckets.edge_multiples for d in (-1, 0, 1)
                   if 1 <= k * b + d <= buckets.max_seq_len})
   if edges and draw(st.booleans()):
-    return draw(st.sampled_from(edges))
-  return draw(st.sampled_from(buckets.seq_lens))
+    return draw(st.sampled_from(_rotated(edges, rotation)))
+  return draw(st.sampled_from(_rotated(buckets.seq_lens, rotation)))
 
 
-def _window(draw, t: int, tiles: tuple[int, ...]) -> int:
+def _window(draw, t: int, tiles: tuple[int, ...], rotation: int = 0) -> int:
   """Short windows, windows ending on and next to tile edges, and ones >= T."""
   values = {1, 2, max(1, t // 3), max(1, t - 1), t, t + 7}
   values |= {m * b + d for b in tiles for m in (1, 2) for d in (-1, 0, 1) if m * b + d >= 1}
-  return draw(st.sampled_from(sorted(values)))
+  return draw(st.sampled_from(_rotated(sorted(values), rotation)))
 
 
 @st.composite
 def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
-          forbid=frozenset(), any_of=frozenset(), cap: str | None = None) -> Case:
+          forbid=frozenset(), any_of=frozenset(), cap: str | None = None,
+          rotation: int = 0) -> Case:
   """A valid Case within ``impl``'s declarations.
 
   ``require``/``forbid`` pin features on/off; ``any_of``: at least one of
   these features is on; ``cap`` fixes the cap method (ua-fuzz --cap).
+  ``rotation`` reorders every choice (a test's chunk number): Hypothesis
+  starts each test from its simplest example, the first value of every
+  choice, and a time-boxed campaign of many chunks otherwise begins every
+  chunk with the same configuration (docs/VERIFICATION.md, "Case mix").
   """
   unsupported = impl.unsupported
   missing = (set(require) | ({"cap"} if cap not in (None, "none") else set())) & unsupported
@@ -63,12 +89,13 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
   choosable = sorted(f for f in any_of if allowed(f))
   if any_of and not choosable:
     raise ValueError(f"{impl.name} supports none of {sorted(any_of)}")
-  forced = set(require) | ({_pick(draw, choosable, 'feature')} if choosable else set())
+  forced = set(require) | ({_pick(draw, choosable, 'feature', rotation)} if choosable
+                           else set())
 
   def flag(feature):
     if feature in forced:
       return True
-    return draw(st.booleans()) if allowed(feature) else False
+    return _boolean(draw, rotation, feature) if allowed(feature) else False
 
   dtypes = [d for d in buckets.dtypes if d in impl.dtypes]
   dims = [d for d in buckets.head_dims if impl.head_dims(d)]
@@ -76,42 +103,42 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
     raise ValueError(f"{impl.name} supports none of the profile's "
                      f"{'dtypes' if not dtypes else 'head dims'}")
   tile_choices = buckets.tiles if impl.config is not None else (None,)
-  pair = _pick(draw, tile_choices, 'tiles')
+  pair = _pick(draw, tile_choices, 'tiles', rotation)
   tiles = impl.block_sizes if pair is None else tuple(sorted(set(pair)))
 
-  t = _seq_len(draw, buckets, tiles)
+  t = _seq_len(draw, buckets, tiles, rotation)
   long = t >= buckets.long_seq
   head_pairs = [p for p in buckets.heads if not long or p[1] <= 2]
   if "gqa" in forced:
     head_pairs = [p for p in head_pairs if p[0] != p[1]]
   elif not allowed("gqa"):
     head_pairs = [p for p in head_pairs if p[0] == p[1]]
-  hq, hkv = _pick(draw, head_pairs, 'head counts')
-  batch = 1 if long else _pick(draw, buckets.batches, 'batch size')
-  d = _pick(draw, dims, 'head dim')
-  dtype = _pick(draw, dtypes, 'dtype')
+  hq, hkv = _pick(draw, head_pairs, 'head counts', rotation)
+  batch = 1 if long else _pick(draw, buckets.batches, 'batch size', rotation)
+  d = _pick(draw, dims, 'head dim', 3 * rotation)
+  dtype = _pick(draw, dtypes, 'dtype', rotation)
+
+  def choose(values):
+    return draw(st.sampled_from(_rotated(values, rotation)))
 
   causal = flag("causal")
-  window = _window(draw, t, tiles) if flag("window") else 0
+  window = _window(draw, t, tiles, rotation) if flag("window") else 0
   segments = "none"
   if flag("segment_ids"):
-    segments = "packed" if "segment_ids" in require else draw(
-        st.sampled_from(["packed", "packed", "random"]))
+    segments = "packed" if "segment_ids" in require else choose(["packed", "packed", "random"])
   temperature = "none"
   if flag("temperature"):
-    temperature = draw(st.sampled_from(["uniform", "extreme", "per_head", "scalar", "ones",
-                                        "signed"]))
-  z_loss = draw(st.sampled_from([0.1, 1.0])) if flag("z_loss") else 0.0
+    temperature = choose(["uniform", "extreme", "per_head", "scalar", "ones", "signed"])
+  z_loss = choose([0.1, 1.0]) if flag("z_loss") else 0.0
   return_lse = flag("lse")
-  distribution = draw(st.sampled_from(["normal", "normal", "large", "ties", "saturating"]))
-  sm_scale = draw(st.sampled_from([None, None, 0.5 / math.sqrt(d), 2.0 / math.sqrt(d),
-                                   -1.0 / math.sqrt(d)]))
+  distribution = choose(["normal", "normal", "large", "ties", "saturating"])
+  sm_scale = choose([None, None, 0.5 / math.sqrt(d), 2.0 / math.sqrt(d), -1.0 / math.sqrt(d)])
 
   methods = sorted(m for m in CAP_METHODS if m != "none" and impl.supports_cap(m))
   if cap is not None:
     cap_method = cap
   elif methods and flag("cap"):
-    cap_method = draw(st.sampled_from(methods))
+    cap_method = choose(methods)
   else:
     cap_method = "none"
   case = Case(batch=batch, seq_len=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
@@ -121,6 +148,6 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
               seed=draw(st.integers(0, 2 ** 31 - 1)))
   # Cap parameters around the logits' own magnitude, so the cap is reached.
   scale = logit_scale(case)
-  params = tuple(scale * draw(st.sampled_from([0.25, 0.5, 1.0, 2.0]))
+  params = tuple(scale * choose([0.25, 0.5, 1.0, 2.0])
                  for _ in CAP_METHODS[cap_method].param_names)
   return dataclasses.replace(case, cap_method=cap_method, cap_params=params)

@@ -79,3 +79,35 @@ def test_a_config_gets_the_drawn_tiles():
   assert {(16, 16), (32, 16), (16, 32)} <= tiles
   case = next(c for c in drawn if c.tiles is not None)
   assert impl.call_kwargs(case)["config"] == "cfg" and made[-1] == case.tiles
+
+
+def _first_example(strategy):
+  """The case a derandomized test draws first: Hypothesis's simplest one."""
+  from hypothesis import Phase
+  seen = []
+
+  @settings(database=None, max_examples=1, derandomize=True, phases=[Phase.generate],
+            deadline=None)
+  @given(strategy)
+  def run(case):
+    seen.append(case)
+
+  run()
+  return seen[0]
+
+
+def test_chunks_of_a_campaign_start_from_different_configurations():
+  """Every chunk of a test starts from Hypothesis's simplest example; rotated
+  choices make those first cases distinct configurations across the gpu
+  profile's chunks, one of them long, while chunk 0 keeps the realistic one."""
+  import dataclasses
+
+  from properties.capabilities import load_impl
+  impl = load_impl("ua_kernels:attention")
+  profile = PROFILES["gpu"]
+  buckets = dataclasses.replace(profile.buckets, dtypes=("bfloat16",))
+  firsts = [_first_example(cases(buckets, impl, rotation=k))
+            for k in range(profile.oracle_chunks)]
+  assert (firsts[0].seq_len, firsts[0].head_dim) == (buckets.seq_lens[0], buckets.head_dims[0])
+  assert len({c.static_digest() for c in firsts}) == len(firsts)
+  assert any(c.seq_len >= buckets.long_seq for c in firsts)
