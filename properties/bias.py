@@ -15,7 +15,8 @@ show in the reference as in any correct implementation, and cancel in the
 difference, which keeps each implementation's own rounding. A correct kernel
 rounds to nearest, as the reference does, so its differences are as often
 negative as positive; the sign test (scipy.stats.binomtest on the counts of
-each sign beyond DEAD_ZONE_ULPS) finds a shift, and an effect floor on the
+rows of each sign beyond DEAD_ZONE_ULPS: a row's elements share its factors)
+finds a shift, and an effect floor on the
 mean difference, clipped to one ulp per element (BIAS_FLOOR_ULPS), keeps a
 shift too small to matter from failing however many elements show it. Holm's
 correction spans the outputs of one verdict. docs/TOLERANCES.md, "Bias".
@@ -57,39 +58,57 @@ def output_dtype(name: str, dtype: str) -> str:
 
 def signed_ulps(got, oracle, dtype: str, reference=None) -> np.ndarray:
   """(got - reference) * sign(oracle) in ulps of ``dtype`` at |oracle| (the
-  reference defaults to the oracle), over the elements where the oracle is
-  finite and nonzero and the others finite."""
-  got = np.asarray(got, np.float64).ravel()
-  oracle = np.asarray(oracle, np.float64).ravel()
-  reference = oracle if reference is None else np.asarray(reference, np.float64).ravel()
+  reference defaults to the oracle), in the oracle's shape; NaN where an
+  element is not measured: the oracle not finite or zero, the others not
+  finite."""
+  oracle = np.asarray(oracle, np.float64)
+  got = np.asarray(got, np.float64).reshape(oracle.shape)
+  reference = oracle if reference is None else np.asarray(reference, np.float64).reshape(
+      oracle.shape)
   keep = np.isfinite(oracle) & (oracle != 0) & np.isfinite(got) & np.isfinite(reference)
-  got, oracle, reference = got[keep], oracle[keep], reference[keep]
-  exponent = np.maximum(np.floor(np.log2(np.abs(oracle))), _MIN_EXPONENT[dtype])
-  ulp = np.exp2(exponent - _SIGNIFICAND[dtype])
-  return (got - reference) * np.sign(oracle) / ulp
+  with np.errstate(divide="ignore", invalid="ignore"):
+    exponent = np.maximum(np.floor(np.log2(np.abs(oracle))), _MIN_EXPONENT[dtype])
+    ulp = np.exp2(exponent - _SIGNIFICAND[dtype])
+    return np.where(keep, (got - reference) * np.sign(oracle) / ulp, np.nan)
 
 
 @dataclasses.dataclass
 class BiasStats:
-  """Signed differences of one output (of a case, or pooled): how many were
-  away from zero (``above``), toward it (``below``), and the sum and sum of
-  squares of the clipped differences in ulps."""
+  """Signed differences of one output (of a case, or pooled): how many
+  elements were away from zero (``above``), toward it (``below``), the sum and
+  sum of squares of the clipped differences in ulps, and how many rows (the
+  elements along the last axis) were on the whole away from zero
+  (``rows_above``) or toward it (``rows_below``). The sign test counts rows:
+  the elements of a row share its row's factors (dq = ds * k on a row of one
+  visible key, where ds cancels to float32 noise of one sign), and are not
+  independent draws (docs/TOLERANCES.md, "Bias")."""
 
   n: int = 0
   above: int = 0
   below: int = 0
   total: float = 0.0
   squares: float = 0.0
+  rows_above: int = 0
+  rows_below: int = 0
 
   @classmethod
   def of(cls, ulps: np.ndarray) -> "BiasStats":
-    """The counts of each sign beyond DEAD_ZONE_ULPS, and the sums of the
-    differences clipped to one ulp (one element of a cancelling sum must not
-    outweigh thousands)."""
-    clipped = np.clip(ulps, -1.0, 1.0)
-    return cls(int(ulps.size), int((ulps > DEAD_ZONE_ULPS).sum()),
-               int((ulps < -DEAD_ZONE_ULPS).sum()), float(clipped.sum()),
-               float(np.square(clipped).sum()))
+    """The counts of each sign beyond DEAD_ZONE_ULPS, of elements and of rows
+    (a row's sign: that of its mean clipped difference; a 1-D ``ulps``: each
+    element a row), and the sums of the differences clipped to one ulp (one
+    element of a cancelling sum must not outweigh thousands); NaN elements are
+    not measured."""
+    ulps = np.asarray(ulps, np.float64)
+    rows = ulps.reshape(-1, ulps.shape[-1]) if ulps.ndim >= 2 else ulps.reshape(-1, 1)
+    measured = np.isfinite(rows)
+    clipped = np.where(measured, np.clip(rows, -1.0, 1.0), 0.0)
+    counts = measured.sum(axis=1)
+    row_mean = np.divide(clipped.sum(axis=1), counts, out=np.zeros(len(rows)),
+                         where=counts > 0)
+    return cls(int(measured.sum()), int((measured & (rows > DEAD_ZONE_ULPS)).sum()),
+               int((measured & (rows < -DEAD_ZONE_ULPS)).sum()), float(clipped.sum()),
+               float(np.square(clipped).sum()), int((row_mean > DEAD_ZONE_ULPS).sum()),
+               int((row_mean < -DEAD_ZONE_ULPS).sum()))
 
   def __add__(self, other: "BiasStats") -> "BiasStats":
     return BiasStats(*(a + b for a, b in zip(dataclasses.astuple(self),
@@ -100,10 +119,10 @@ class BiasStats:
     return self.total / self.n if self.n else 0.0
 
   def p_value(self) -> float:
-    """Two-sided sign test: as many errors above zero as below."""
+    """Two-sided sign test over rows: as many rows above zero as below."""
     from scipy.stats import binomtest
-    signed = self.above + self.below
-    return 1.0 if signed == 0 else float(binomtest(self.below, signed, 0.5).pvalue)
+    signed = self.rows_above + self.rows_below
+    return 1.0 if signed == 0 else float(binomtest(self.rows_below, signed, 0.5).pvalue)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -126,6 +145,7 @@ def verdicts(stats: dict[str, BiasStats], alpha: float = BIAS_ALPHA,
   least ``floor`` ulps."""
   adjusted = holm({name: s.p_value() for name, s in stats.items()})
   return {name: {"p_holm": adjusted[name], "mean_ulps": s.mean, "n": s.n,
-                 "below": s.below, "above": s.above,
+                 "below": s.below, "above": s.above, "rows_below": s.rows_below,
+                 "rows_above": s.rows_above,
                  "biased": adjusted[name] < alpha and abs(s.mean) >= floor}
           for name, s in stats.items()}

@@ -62,7 +62,8 @@ def matches_oracle(impl, case: Case):
   if biased:
     raise PropertyFailure("a systematic shift of the rounding (bias.py): " + "; ".join(
         f"{name}: mean {v['mean_ulps']:+.3f} ulp, {v['below']} toward zero and {v['above']} "
-        f"away of {v['n']}, Holm p = {v['p_holm']:.2e}" for name, v in biased.items()),
+        f"away of {v['n']} elements, rows {v['rows_below']} toward and {v['rows_above']} away, "
+        f"Holm p = {v['p_holm']:.2e}" for name, v in biased.items()),
         errors + plain)
   return errors + plain
 

@@ -139,7 +139,8 @@ def summary_lines(report: dict) -> list[str]:
   for name, v in report.get("bias", {}).items():
     flag = "BIASED" if v["biased"] else "ok"
     lines.append(f"bias {name:18} {flag:6} mean {v['mean_ulps']:+.4f} ulp over {v['n']} "
-                 f"elements ({v['below']} toward zero, {v['above']} away), Holm p "
+                 f"elements ({v['below']} toward zero, {v['above']} away; rows "
+                 f"{v.get('rows_below', 0)} and {v.get('rows_above', 0)}), Holm p "
                  f"{v['p_holm']:.2e}")
   for name, v in report.get("baseline", {}).items():
     flag = "REGRESSED" if v["regressed"] else "ok"

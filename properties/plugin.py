@@ -345,10 +345,8 @@ class Suite:
     require = prop.require | ({test.focus[len("mask-"):]} if test.focus.startswith("mask-")
                               else set())
     cap = test.focus[len("cap-"):] if test.focus.startswith("cap-") else None
-    # Chunk k reorders every choice (rotation k), so that the chunks' first,
-    # simplest examples are different configurations.
     strategy = cases(buckets, impl, require, prop.forbid, prop.any_of, cap=cap,
-                     rotation=test.chunk).filter(prop.applies)
+                     rotation=_rotation(test, self.profile)).filter(prop.applies)
     verifier = Verifier(impl, self.config.getoption("ua_failures"), self.imports,
                         record=lambda r: node.user_properties.append((_RECORD, r)),
                         case_timeout=self.config.getoption("ua_case_timeout"))
@@ -366,8 +364,11 @@ class Suite:
         seeded = dataclasses.replace(case, seed=(case.seed + offset + 7919 * i) % 2 ** 31)
         if seeded not in started and state.deadline is not None:
           now = time.time()
-          if now > state.deadline or (started and now > share_ends):
-            return  # the time box, or this test's share of it, is spent: no new case starts
+          # The time box ends every case; this test's share ends a new
+          # configuration only: the further seeds of a compiled one cost
+          # tenths of a second, its compile tens (docs/VERIFICATION.md).
+          if now > state.deadline or (i == 0 and started and now > share_ends):
+            return
         started.add(seeded)
         errors = verifier.check(prop, seeded)
         worst = max([worst] + [e.ratio for e in errors if e.ratio != float("inf")])
@@ -400,6 +401,18 @@ class Suite:
                        state.first_round_started)
     state.first_round_started += 1
     return min(state.deadline, now + share)
+
+
+def _rotation(test: PropertyTest, profile) -> int:
+  """How a test reorders its choices (strategies.cases): chunk k by k, so that
+  the chunks' first, simplest examples are different configurations; under a
+  profile with ``rotate_focused``, the focused tests by what follows the
+  chunks (a short campaign runs mostly first examples, and every focused test
+  began with the same length and head dim); the long test's first length is
+  already its first long one."""
+  if test.focus and test.focus != "long" and profile.rotate_focused:
+    return profile.oracle_chunks + focuses().index(test.focus)
+  return test.chunk
 
 
 def _focus_unsupported(focus: str, impl) -> str | None:

@@ -102,6 +102,10 @@ class Profile:
   # gives them a share of its cases, not one test's.
   chunked_properties: tuple[str, ...] = ()
   chunked_examples: int = 1  # examples of each of their tests
+  # Whether focused oracle tests draw from rotated choices (strategies.cases),
+  # each from its own first configuration; the ci profile keeps its
+  # derandomized cases (and its committed precision baseline) as they are.
+  rotate_focused: bool = False
 
   @property
   def hypothesis_name(self) -> str:
@@ -137,7 +141,8 @@ PROFILES = {p.name: p for p in (
         derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate]),
         oracle_chunks=10, oracle_examples=6, seeds=24, mask_focus_examples=2,
         long_properties=("mask_is_exact", "hidden_keys_do_not_leak"),
-        chunked_properties=("mask_is_exact", "hidden_keys_do_not_leak"), chunked_examples=15),
+        chunked_properties=("mask_is_exact", "hidden_keys_do_not_leak"), chunked_examples=15,
+        rotate_focused=True),
 )}
 
 

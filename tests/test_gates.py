@@ -98,3 +98,20 @@ def test_a_run_fails_a_planted_bias_and_a_planted_precision_regression(tmp_path)
   assert {f["property"] for f in report["failures"]} == {"matches_oracle"}, report["failures"]
   assert report["bias"]["out/bfloat16"]["biased"], report["bias"]
   assert not report["bias"]["dq/bfloat16"]["biased"], report["bias"]
+
+
+def test_a_rows_shared_sign_is_one_draw_per_row():
+  """On a row of one visible key dq = ds * k: ds cancels to float32 noise of
+  one sign, which every element of the row then carries (two rows of 64 dq
+  elements, all away from zero, on the H200; docs/TOLERANCES.md, "Bias"). Two
+  rows are two draws, not 128; 200 rows all toward zero are a bias."""
+  k = RNG.normal(size=(2, 64))
+  oracle = 1e-17 * np.sign(k)
+  got = 3e-7 * np.sign(k)  # the same shift, away from zero, on every element
+  ulps = signed_ulps(got, oracle, "bfloat16", reference=np.zeros_like(oracle))
+  stats = BiasStats.of(ulps)
+  assert (stats.above, stats.rows_above) == (128, 2)
+  assert not verdicts({"dq": stats}, floor=0.35)["dq"]["biased"]
+  oracle = RNG.normal(size=(200, 64))
+  stats = BiasStats.of(signed_ulps(_rounded(oracle, True), oracle, "bfloat16"))
+  assert stats.rows_below == 200 and verdicts({"dv": stats}, floor=0.35)["dv"]["biased"]
