@@ -18,8 +18,12 @@ from .tolerance import OutputError, compare, error_table
 
 
 class PropertyFailure(AssertionError):
-  def __init__(self, message: str, errors: list[OutputError] = ()):
+  """A property's verdict against a case. ``biased`` names the outputs that
+  failed the bias verdict alone (every comparison within its bound)."""
+
+  def __init__(self, message: str, errors: list[OutputError] = (), biased=()):
     self.errors = list(errors)
+    self.biased = tuple(biased)
     table = error_table(self.errors) if self.errors else ""
     super().__init__(message + ("\n" + table if table else ""))
 
@@ -64,7 +68,7 @@ def matches_oracle(impl, case: Case):
         f"{name}: mean {v['mean_ulps']:+.3f} ulp, {v['below']} toward zero and {v['above']} "
         f"away of {v['n']} elements, rows {v['rows_below']} toward and {v['rows_above']} away, "
         f"Holm p = {v['p_holm']:.2e}" for name, v in biased.items()),
-        errors + plain)
+        errors + plain, biased=tuple(biased))
   return errors + plain
 
 

@@ -11,12 +11,13 @@ property from the registry, the oracle from the runner.
 
 A candidate is accepted only if it fails *the same way*: the same property (the
 one of the case file; no other is run) failing on every output the original
-failed on, others may join (an implementation that raised: the same exception
+failed on, others may join (a bias verdict counts as a failure of its output
+of its own kind, "dq (bias)"; an implementation that raised: the same exception
 type). A harness error, a pass, or one of those outputs passing rejects it.
 Others may join because a smaller case often fails more: jax's XLA attention
 in TF32 fails out and dv at T=1000 and dq too at every shorter T tried, and
-an exact match of the set kept that case at T=1000 (docs/PEERS.md). Moves are tried in a fixed order until a
-whole round accepts none (a fixpoint), within an attempt and a time budget, so
+an exact match of the set kept that case at T=1000 (docs/PEERS.md). Moves are
+tried in a fixed order until a whole round accepts none (a fixpoint), within an attempt and a time budget, so
 two runs on the same machine give the same minimal case (unless the time
 budget, the one non-deterministic bound, ends one of them first).
 
@@ -70,7 +71,9 @@ class Outcome:
     if self.kind != target.kind:
       return False
     if self.kind == "failed":
-      return self.outputs >= target.outputs
+      # A failure naming no output (one of the metamorphic checks') keeps
+      # only another that names none.
+      return self.outputs >= target.outputs if target.outputs else not self.outputs
     return self.detail == target.detail
 
   def describe(self) -> str:
@@ -99,7 +102,8 @@ def run_case(verifier: Verifier, prop: Property, case: Case) -> Outcome:
     cause = exc.__cause__
     message = f"{type(cause).__name__}: {cause}"
     if isinstance(cause, PropertyFailure):
-      bad = frozenset(output_name(e.name) for e in exc.errors if not e.ok)
+      bad = frozenset(output_name(e.name) for e in exc.errors if not e.ok) | frozenset(
+          f"{name} (bias)" for name in getattr(cause, "biased", ()))
       return Outcome("failed", bad, errors=tuple(e.to_dict() for e in exc.errors),
                      message=message)
     return Outcome("raised", detail=type(cause).__name__, message=message)

@@ -103,8 +103,8 @@ class Profile:
   chunked_properties: tuple[str, ...] = ()
   chunked_examples: int = 1  # examples of each of their tests
   # Whether focused oracle tests draw from rotated choices (strategies.cases),
-  # each from its own first configuration; the ci profile keeps its
-  # derandomized cases (and its committed precision baseline) as they are.
+  # each from its own first configuration; the ci profile's focused tests
+  # keep the realistic first values.
   rotate_focused: bool = False
 
   @property

@@ -50,10 +50,16 @@ def _boolean(draw, rotation: int, name: str) -> bool:
   return draw(st.sampled_from((True, False) if _first_true(rotation, name) else (False, True)))
 
 
-def _seq_len(draw, buckets: Buckets, tiles: tuple[int, ...], rotation: int = 0) -> int:
-  """A length from the bucket, or (half the time, given tiles) one at a tile edge."""
+def _seq_len(draw, buckets: Buckets, tiles: tuple[int, ...], rotation: int = 0,
+             multi_tile: bool = False) -> int:
+  """A length from the bucket, or (half the time, given tiles) one at a tile
+  edge; ``multi_tile``: always at an edge past two of the smallest tiles, where
+  a mask's tile-range bounds (a window's first key tile) have tiles to drop."""
   edges = sorted({k * b + d for b in tiles for k in buckets.edge_multiples for d in (-1, 0, 1)
                   if 1 <= k * b + d <= buckets.max_seq_len})
+  past_two = [e for e in edges if e > 2 * min(tiles)] if tiles else []
+  if multi_tile and past_two:
+    return draw(st.sampled_from(_rotated(past_two, rotation)))
   if edges and draw(st.booleans()):
     return draw(st.sampled_from(_rotated(edges, rotation)))
   return draw(st.sampled_from(_rotated(buckets.seq_lens, rotation)))
@@ -69,7 +75,7 @@ def _window(draw, t: int, tiles: tuple[int, ...], rotation: int = 0) -> int:
 @st.composite
 def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
           forbid=frozenset(), any_of=frozenset(), cap: str | None = None,
-          rotation: int = 0) -> Case:
+          rotation: int = 0, multi_tile: bool = False) -> Case:
   """A valid Case within ``impl``'s declarations.
 
   ``require``/``forbid`` pin features on/off; ``any_of``: at least one of
@@ -78,6 +84,7 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
   starts each test from its simplest example, the first value of every
   choice, and a time-boxed campaign of many chunks otherwise begins every
   chunk with the same configuration (docs/VERIFICATION.md, "Case mix").
+  ``multi_tile``: lengths at tile edges past two tiles (_seq_len).
   """
   unsupported = impl.unsupported
   missing = (set(require) | ({"cap"} if cap not in (None, "none") else set())) & unsupported
@@ -106,7 +113,7 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
   pair = _pick(draw, tile_choices, 'tiles', rotation)
   tiles = impl.block_sizes if pair is None else tuple(sorted(set(pair)))
 
-  t = _seq_len(draw, buckets, tiles, rotation)
+  t = _seq_len(draw, buckets, tiles, rotation, multi_tile)
   long = t >= buckets.long_seq
   head_pairs = [p for p in buckets.heads if not long or p[1] <= 2]
   if "gqa" in forced:

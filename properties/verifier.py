@@ -29,6 +29,10 @@ from .registry import Property
 from .runner import HarnessError, baseline, prepare, x64
 from .tolerance import OutputError
 
+# Characters of a failure's message kept in its record: the exception and the
+# error table of a case; the whole message stays in its case file.
+MESSAGE_CHARS = 1500
+
 
 class CaseFailure(AssertionError):
   """A property failed on a case: the implementation is wrong (or raised)."""
@@ -119,13 +123,13 @@ class Verifier:
         raise AssertionError(f"{prop.name} compared nothing on this case")
     except HarnessError as exc:
       write("harness", message=str(exc))
-      self._record(prop, case, "harness", [], start, replay)
+      self._record(prop, case, "harness", [], start, replay, str(exc))
       raise HarnessFailure(f"harness error (not the implementation's): {prop.name} on {case}\n"
                            f"{exc}\nreplay: {replay}", case, (), replay) from exc
     except Exception as exc:  # noqa: BLE001 -- any failure is a finding
       errors = getattr(exc, "errors", [])
       write("failed", [e.to_dict() for e in errors], f"{type(exc).__name__}: {exc}")
-      self._record(prop, case, "failed", errors, start, replay)
+      self._record(prop, case, "failed", errors, start, replay, f"{type(exc).__name__}: {exc}")
       raise CaseFailure(f"{prop.name} failed for {self.impl.name} on {case}\n"
                         f"{type(exc).__name__}: {exc}\nreplay: {replay}", case, errors,
                         replay) from exc
@@ -138,14 +142,16 @@ class Verifier:
     self._record(prop, case, "passed", errors, start, "")
     return errors
 
-  def _record(self, prop, case, status, errors, start, replay):
+  def _record(self, prop, case, status, errors, start, replay, message=""):
     """One case's record for the report (plugin.build_report): its outcome,
     worst error/tolerance overall and per output (None: not finite), and its
     time split into compile_seconds (tracing, lowering and compiling: the
     implementation's callables on a shape's first call, the oracle's and the
     reference's executables; properties/compile_clock.py) and run_seconds (the
     rest), with the compilations it needed (and, with JAX's persistent cache
-    on, how many of them the cache served)."""
+    on, how many of them the cache served); a case that did not pass keeps the
+    start of its message, so that a report read away from the machine that ran
+    it (its case files stay there) still says what failed."""
     if self.record is None:
       return
     seconds = time.perf_counter() - start[0]
@@ -169,6 +175,8 @@ class Verifier:
               "compiled": timing["compiled"], "replay": replay,
               "failed_outputs": sorted(e.name for e in errors if not e.ok),
               "config": case.to_dict(), "imports": list(self.imports)}
+    if message:
+      record["message"] = message[:MESSAGE_CHARS]
     if persistent_cache_on():
       record["cache_hits"] = timing["cache_hits"]
     self.record(record)

@@ -165,3 +165,16 @@ def test_candidates_stay_within_the_declarations_and_the_property():
 def test_the_minimal_file_sits_beside_the_original():
   assert minimize.minimized_path("ua-failures/matches_oracle-ab12.json") == \
       "ua-failures/matches_oracle-ab12.min.json"
+
+
+def test_a_bias_failure_keeps_only_the_same_outputs_bias():
+  """A bias verdict fails with every output within its bound: it names its
+  outputs as "<name> (bias)", so that an out-of-tolerance dq, or a failure
+  naming no output, does not pass for it."""
+  target = minimize.Outcome("failed", frozenset({"dv (bias)"}))
+  assert minimize.Outcome("failed", frozenset({"dv (bias)", "dq"})).keeps(target)
+  assert not minimize.Outcome("failed", frozenset({"dq"})).keeps(target)
+  assert not minimize.Outcome("failed", frozenset({"dq (bias)"})).keeps(target)
+  nameless = minimize.Outcome("failed", frozenset())
+  assert nameless.keeps(nameless) and not minimize.Outcome("failed", frozenset({"dq"})).keeps(
+      nameless)

@@ -41,6 +41,9 @@ def test_declared_tiles_expose_a_window_bound_defect_in_the_ci_profile(tmp_path)
   assert proc.returncode == 1, proc.stdout[-3000:]
   failed = [f for f in report["failures"] if f["status"] == "failed"]
   assert failed, report
+  # The report alone says what failed, on which case (its case files may stay
+  # on the machine that ran it).
+  assert all("PropertyFailure" in f["message"] and f["config"]["seq_len"] for f in failed)
   cases = [load_case_file(p)["case"] for p in (tmp_path / "failures").glob("*.json")]
   assert any(0 < c.window_len < c.seq_len and c.seq_len > 64 for c in cases), cases
 
