@@ -17,9 +17,10 @@ type). A harness error, a pass, or one of those outputs passing rejects it.
 Others may join because a smaller case often fails more: jax's XLA attention
 in TF32 fails out and dv at T=1000 and dq too at every shorter T tried, and
 an exact match of the set kept that case at T=1000 (docs/PEERS.md). Moves are
-tried in a fixed order until a whole round accepts none (a fixpoint), within an attempt and a time budget, so
-two runs on the same machine give the same minimal case (unless the time
-budget, the one non-deterministic bound, ends one of them first).
+tried in a fixed order until a whole round accepts none (a fixpoint), within an
+attempt and a time budget, so two runs on the same machine give the same
+minimal case (unless the time budget, the one non-deterministic bound, ends one
+of them first).
 
 It imports nothing from ua_kernels: the implementation is a plug-in here too.
 """
@@ -59,10 +60,6 @@ class Outcome:
   detail: str = ""
   errors: tuple = ()
   message: str = ""
-
-  def signature(self) -> tuple:
-    """What must stay the same while reducing: the kind and what failed."""
-    return (self.kind, self.outputs if self.kind == "failed" else self.detail)
 
   def keeps(self, target: "Outcome") -> bool:
     """Whether this outcome fails the way ``target`` did: the same kind, and
@@ -249,7 +246,7 @@ class Result:
 def minimize(impl: Implementation, prop: Property, case: Case, target: Outcome, *,
              verifier: Verifier, max_attempts: int = 200, max_seconds: float = 600.0,
              log: Callable[[str], None] = print) -> Result:
-  """Greedy reduction of ``case`` while it keeps ``target``'s signature.
+  """Greedy reduction of ``case`` while it fails as ``target`` did (Outcome.keeps).
 
   Rounds over MOVES; in each move the first candidate failing the same way is
   taken. Outcomes are remembered per case, so a candidate rejected in one round

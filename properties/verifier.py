@@ -128,11 +128,11 @@ class Verifier:
                            f"{exc}\nreplay: {replay}", case, (), replay) from exc
     except Exception as exc:  # noqa: BLE001 -- any failure is a finding
       errors = getattr(exc, "errors", [])
-      write("failed", [e.to_dict() for e in errors], f"{type(exc).__name__}: {exc}")
-      self._record(prop, case, "failed", errors, start, replay, f"{type(exc).__name__}: {exc}")
+      message = f"{type(exc).__name__}: {exc}"
+      write("failed", [e.to_dict() for e in errors], message)
+      self._record(prop, case, "failed", errors, start, replay, message)
       raise CaseFailure(f"{prop.name} failed for {self.impl.name} on {case}\n"
-                        f"{type(exc).__name__}: {exc}\nreplay: {replay}", case, errors,
-                        replay) from exc
+                        f"{message}\nreplay: {replay}", case, errors, replay) from exc
     except KeyboardInterrupt:
       _remove(path)  # stopped by the user: neither a failure nor a crash
       raise
