@@ -50,7 +50,7 @@ from .mosaic_common import (RingCopy, load_vector, own_tiles, program_spans, pro
 from .kernel_config import MosaicTiles
 from .padding import pad
 from .segment_spans import tile_ranges
-from .softmax_state import SoftmaxState, sums_rounded
+from .softmax_state import SoftmaxState
 from .tile_math import fixed_shift, kv_tiles, tile_loop
 
 # 256 is the largest head dim whose tiles fit the shared memory.
@@ -185,13 +185,11 @@ def _forward_compute(p: ForwardParams, ring: _Ring, q_ref, seg_ref, temp_ref, ou
   def visit(kb, state, masked):
     return _forward_step(p, ring, q_smem, seg_ref, bi, q_start, q_temp, kb, state, masked)
 
-  row_zeros = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
   state = SoftmaxState(
       plgpu.layout_cast(jnp.full((block_q,), -jnp.inf if p.shift is None else p.shift,
                                  jnp.float32), row_layout),
-      row_zeros,
-      plgpu.layout_cast(jnp.zeros((block_q, p.head_dim), jnp.float32), plgpu.Layout.WGMMA),
-      row_zeros if sums_rounded(p.spec, p.dtype) else None)
+      plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout),
+      plgpu.layout_cast(jnp.zeros((block_q, p.head_dim), jnp.float32), plgpu.Layout.WGMMA))
   tiles = own_tiles(kv_tiles(
       p.spec_padded, q_start, block_q, block_kv, p.padded,
       own_span, own_uniform), ring.lo, ring.hi)
@@ -236,8 +234,9 @@ def _forward_step(p: ForwardParams, ring: _Ring, q_smem, seg_ref, bi, q_start, q
   plgpu.barrier_arrive(ring.k_free.at[s])
   logits = tile_logits(p.spec, scores, q_temp, q_start, kb * p.block_kv, masked=masked,
                        seg_ref=seg_ref, batch=bi, padded=p.padded, fast_cap=p.fast_cap)
-  m, l, l_used, correction, probs = state.step(logits, p.shift, p.dtype)
+  m, l, correction, probs = state.step(logits, p.shift)
   acc = state.rescaled_acc(correction)
+  probs = probs.astype(p.dtype)
   plgpu.barrier_arrive(ring.schedule)
   plgpu.barrier_wait(ring.v_loaded.at[s])
   plgpu.barrier_wait(ring.schedule)
@@ -247,7 +246,7 @@ def _forward_step(p: ForwardParams, ring: _Ring, q_smem, seg_ref, bi, q_start, q
 
   acc = pl.run_state(pv)(plgpu.ACC.init(acc))
   plgpu.barrier_arrive(ring.v_free.at[s])
-  return SoftmaxState(m, l, acc, l_used)
+  return SoftmaxState(m, l, acc)
 
 
 def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_cap: bool):

@@ -15,31 +15,26 @@ class SoftmaxState(NamedTuple):
   """Running row max ``m``, row sum ``l`` and unnormalised output ``acc``.
 
   Rows that have seen no visible key keep ``m = -inf`` and ``l = 0``; the
-  updates guard those so an all-masked row never produces NaN. ``l_used``
-  (None unless ``sums_rounded``) sums the probabilities as the P @ V product
-  used them, rounded to the values' dtype: the output is normalised by it,
-  the lse by ``l``.
+  updates guard those so an all-masked row never produces NaN.
   """
 
   m: jax.Array    # [block_q] float32
   l: jax.Array    # [block_q] float32
   acc: jax.Array  # [block_q, head_dim] float32
-  l_used: jax.Array | None = None  # [block_q] float32
 
   @classmethod
-  def init(cls, block_q: int, head_dim: int, fixed_shift: float | None = None,
-           rounded_sum: bool = False) -> "SoftmaxState":
+  def init(cls, block_q: int, head_dim: int, fixed_shift: float | None = None
+           ) -> "SoftmaxState":
     """An empty state; with a ``fixed_shift`` (tile_math.fixed_shift) ``m``
-    holds that shift throughout; ``rounded_sum`` (sums_rounded) keeps ``l_used``."""
+    holds that shift throughout."""
     m = -jnp.inf if fixed_shift is None else fixed_shift
-    zeros = jnp.zeros((block_q,), jnp.float32)
-    return cls(jnp.full((block_q,), m, jnp.float32), zeros,
-               jnp.zeros((block_q, head_dim), jnp.float32), zeros if rounded_sum else None)
+    return cls(jnp.full((block_q,), m, jnp.float32),
+               jnp.zeros((block_q,), jnp.float32),
+               jnp.zeros((block_q, head_dim), jnp.float32))
 
-  def step(self, logits: Logits, fixed_shift: float | None = None, operand_dtype=None):
-    """One key tile's softmax part: (m, l, l_used, correction, p), where the
-    new accumulator is correction * acc + p @ v (correction None: acc
-    unscaled) and ``p`` is already in ``operand_dtype`` (the values' dtype).
+  def step(self, logits: Logits, fixed_shift: float | None = None):
+    """One key tile's softmax part: (m, l, correction, p), where the new
+    accumulator is correction * acc + p @ v (correction None: acc unscaled).
     Each backend does the p @ v its own way (update: a dot; Mosaic: wgmma).
     With a ``fixed_shift`` the cap bounds the logits: no running max, no rescale."""
     if fixed_shift is None:
@@ -47,24 +42,15 @@ class SoftmaxState(NamedTuple):
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       correction = fast_math.exp2(self.m - m_safe)
       p = exp2_shifted(logits, m_safe)
-      l = correction * self.l + jnp.sum(p, axis=1)
-    else:
-      m_new, correction = self.m, None
-      p = exp2_shifted(logits, fixed_shift)
-      l = self.l + jnp.sum(p, axis=1)
-    if operand_dtype is not None:
-      p = p.astype(operand_dtype)
-    l_used = None
-    if self.l_used is not None:
-      tile_sum = jnp.sum(p.astype(jnp.float32), axis=1)
-      l_used = tile_sum + (self.l_used if correction is None else correction * self.l_used)
-    return m_new, l, l_used, correction, p
+      return m_new, correction * self.l + jnp.sum(p, axis=1), correction, p
+    p = exp2_shifted(logits, fixed_shift)
+    return self.m, self.l + jnp.sum(p, axis=1), None, p
 
   def update(self, logits: Logits, v: jax.Array, fixed_shift: float | None = None
              ) -> "SoftmaxState":
     """Folds in one key tile: its masked logits (-inf where hidden), values."""
-    m, l, l_used, correction, p = self.step(logits, fixed_shift, v.dtype)
-    return SoftmaxState(m, l, self.rescaled_acc(correction) + dot(p, v), l_used)
+    m, l, correction, p = self.step(logits, fixed_shift)
+    return SoftmaxState(m, l, self.rescaled_acc(correction) + dot(p.astype(v.dtype), v))
 
   def rescaled_acc(self, correction):
     """The accumulator times step's per-row correction (None: unchanged)."""
@@ -85,11 +71,10 @@ class SoftmaxState(NamedTuple):
     last place, past its tolerance (docs/DEFECTS.md, D32)."""
     has_key = self.l > 0
     l_safe = jnp.where(has_key, self.l, 1.0)
-    used = l_safe if self.l_used is None else jnp.where(has_key, self.l_used, 1.0)
     # A reciprocal per row, not a division per element: on the H200 the same
     # time and the same bits (docs/BENCHMARKS.md, "What moved the forward");
     # the benchmark tables were measured with it.
-    out = self.acc * along_rows(1.0 / used, self.acc)
+    out = self.acc * along_rows(1.0 / l_safe, self.acc)
     log_l = fast_math.log2(l_safe)
     lse2 = jnp.where(has_key, self.m + log_l, -jnp.inf)
     if not with_low:
@@ -97,19 +82,6 @@ class SoftmaxState(NamedTuple):
     m_safe = jnp.where(has_key, self.m, 0.0)  # no -inf - -inf on rows without a key
     low = rounding_error(m_safe, log_l, m_safe + log_l)
     return out, lse2, jnp.where(has_key, low, 0.0)
-
-
-def sums_rounded(spec, value_dtype) -> bool:
-  """Whether the output is normalised by the rounded probabilities' sum.
-
-  P @ V takes P rounded to 16 bits. Under a cap most logits sit on the cap's
-  bounds, a row's probabilities take a few values, each rounded the same way,
-  and dividing by the unrounded sum scaled every element of the row one way:
-  bfloat16 out 0.27-0.42 ulp toward zero on average (docs/DEFECTS.md, B33).
-  Dividing by the sum of what the product used makes the weights sum to one.
-  Without a cap the logits are continuous and the roundings independent
-  (no bias measured there, ties included): the plain call keeps one sum."""
-  return jnp.dtype(value_dtype) != jnp.dtype(jnp.float32) and spec.cap_method != "none"
 
 
 def rounding_error(a, b, total):
