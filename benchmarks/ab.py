@@ -1,0 +1,91 @@
+"""Two revisions of ua_kernels timed in one process: a kernel change's cost.
+
+``python -m benchmarks.ab --base REV`` extracts REV's ua_kernels with
+``git archive``, imports it beside the working tree's as another package, and
+times both on the same configurations with bench.time_interleaved (round-robin,
+so drift moves both alike): forward and forward+backward, milliseconds and the
+ratio new/base. Separate processes would put their runs minutes apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import io
+import json
+import pathlib
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ua_kernels
+from benchmarks.bench import _fwd_bwd, provenance, time_interleaved
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# (label, B, T, Hq, Hkv, D, causal, tanh cap or 0): the headline shape, plain,
+# causal and capped (the cap is where a change to the softmax step shows most).
+CASES = (
+    ("full", 4, 4096, 16, 16, 128, False, 0.0),
+    ("causal", 4, 4096, 16, 16, 128, True, 0.0),
+    ("full tanh cap 30", 4, 4096, 16, 16, 128, False, 30.0),
+    ("causal tanh cap 30", 4, 4096, 16, 16, 128, True, 30.0),
+)
+
+
+def import_revision(rev: str, name: str):
+  """REV's ua_kernels package, imported as ``name`` (its imports are relative)."""
+  archive = subprocess.run(["git", "archive", rev, "ua_kernels"], cwd=_ROOT, check=True,
+                           capture_output=True).stdout
+  root = pathlib.Path(tempfile.mkdtemp(prefix=f"ab-{rev}-"))
+  with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+    tar.extractall(root, filter="data")
+  package = root / "ua_kernels"
+  spec = importlib.util.spec_from_file_location(
+      name, package / "__init__.py", submodule_search_locations=[str(package)])
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__)
+  parser.add_argument("--base", required=True, help="git revision to compare against")
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--json", default="ab.json")
+  options = parser.parse_args(argv)
+  if options.repeats < 1:
+    parser.error(f"--repeats must be at least 1, got {options.repeats}")
+  base = import_revision(options.base, "ua_kernels_base")
+  result = {**provenance(argv), "base": options.base, "rows": []}
+  dtype = jnp.dtype(options.dtype)
+  for label, b, t, hq, hkv, d, causal, cap in CASES:
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), dtype) for h in (hq, hkv, hkv))
+    kw = dict(causal=causal, cap_method="tanh" if cap else "none",
+              cap_params=(cap,) if cap else ())
+    fns = {"new": functools.partial(ua_kernels.attention, **kw),
+           "base": functools.partial(base.attention, **kw)}
+    row = {"case": f"B{b} T{t} H{hq}/{hkv} D{d} {options.dtype} {label}"}
+    for what, wrap in (("fwd", jax.jit), ("fwd_bwd", _fwd_bwd)):
+      ms = time_interleaved({n: wrap(f) for n, f in fns.items()}, (q, k, v), options.repeats)
+      ok = all(isinstance(x, float) for x in ms.values())
+      row[what] = {n: (x if isinstance(x, float) else repr(x)) for n, x in ms.items()}
+      if ok:
+        row[what]["new/base"] = ms["new"] / ms["base"]
+    print(json.dumps(row), flush=True)
+    result["rows"].append(row)
+  pathlib.Path(options.json).write_text(json.dumps(result, indent=1) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
