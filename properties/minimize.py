@@ -99,8 +99,7 @@ def run_case(verifier: Verifier, prop: Property, case: Case) -> Outcome:
     cause = exc.__cause__
     message = f"{type(cause).__name__}: {cause}"
     if isinstance(cause, PropertyFailure):
-      bad = frozenset(output_name(e.name) for e in exc.errors if not e.ok) | frozenset(
-          f"{name} (bias)" for name in getattr(cause, "biased", ()))
+      bad = frozenset(output_name(name) for name in exc.failed_outputs)
       return Outcome("failed", bad, errors=tuple(e.to_dict() for e in exc.errors),
                      message=message)
     return Outcome("raised", detail=type(cause).__name__, message=message)

@@ -34,16 +34,24 @@ from .tolerance import OutputError
 MESSAGE_CHARS = 1500
 
 
+def failed_output_names(errors, biased=()) -> list[str]:
+  """The outputs a failing case names: those past their bound, and
+  "<output> (bias)" for each the bias verdict found shifted (bias.py), whose
+  elements are all within it."""
+  return sorted({e.name for e in errors if not e.ok} | {f"{name} (bias)" for name in biased})
+
+
 class CaseFailure(AssertionError):
   """A property failed on a case: the implementation is wrong (or raised)."""
 
-  def __init__(self, message: str, case: Case, errors=(), replay: str = ""):
+  def __init__(self, message: str, case: Case, errors=(), replay: str = "", biased=()):
     super().__init__(message)
     self.case, self.errors, self.replay = case, list(errors), replay
+    self.biased = tuple(biased)
 
   @property
   def failed_outputs(self) -> list[str]:
-    return sorted(e.name for e in self.errors if not e.ok)
+    return failed_output_names(self.errors, self.biased)
 
 
 class HarnessFailure(CaseFailure):
@@ -127,12 +135,12 @@ class Verifier:
       raise HarnessFailure(f"harness error (not the implementation's): {prop.name} on {case}\n"
                            f"{exc}\nreplay: {replay}", case, (), replay) from exc
     except Exception as exc:  # noqa: BLE001 -- any failure is a finding
-      errors = getattr(exc, "errors", [])
+      errors, biased = getattr(exc, "errors", []), getattr(exc, "biased", ())
       message = f"{type(exc).__name__}: {exc}"
       write("failed", [e.to_dict() for e in errors], message)
-      self._record(prop, case, "failed", errors, start, replay, message)
+      self._record(prop, case, "failed", errors, start, replay, message, biased)
       raise CaseFailure(f"{prop.name} failed for {self.impl.name} on {case}\n"
-                        f"{message}\nreplay: {replay}", case, errors, replay) from exc
+                        f"{message}\nreplay: {replay}", case, errors, replay, biased) from exc
     except KeyboardInterrupt:
       _remove(path)  # stopped by the user: neither a failure nor a crash
       raise
@@ -142,7 +150,7 @@ class Verifier:
     self._record(prop, case, "passed", errors, start, "")
     return errors
 
-  def _record(self, prop, case, status, errors, start, replay, message=""):
+  def _record(self, prop, case, status, errors, start, replay, message="", biased=()):
     """One case's record for the report (plugin.build_report): its outcome,
     worst error/tolerance overall and per output (None: not finite), and its
     time split into compile_seconds (tracing, lowering and compiling: the
@@ -173,7 +181,7 @@ class Verifier:
               "seconds": round(seconds, 3), "compile_seconds": round(compile_seconds, 3),
               "run_seconds": round(seconds - compile_seconds, 3),
               "compiled": timing["compiled"], "replay": replay,
-              "failed_outputs": sorted(e.name for e in errors if not e.ok),
+              "failed_outputs": failed_output_names(errors, biased),
               "config": case.to_dict(), "imports": list(self.imports)}
     if message:
       record["message"] = message[:MESSAGE_CHARS]
