@@ -1,0 +1,100 @@
+"""Context-parallel attention (ua_kernels.context_parallel) over virtual CPU
+devices: the sharded op against the single-device kernels, outputs and every
+gradient, for 2 shards (not causal) and 4 (causal: the zig-zag layout's full,
+diagonal and hidden pairs), with GQA, temperature, a cap, the z-loss and lse;
+and a clear error for what it does not take yet.
+
+The sharded runs need several devices, which a process fixes when jax starts
+(``--xla_force_host_platform_device_count``): they run in a subprocess."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import ua_kernels
+from ua_kernels import context_parallel
+
+SCRIPT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh
+    import ua_kernels
+    from ua_kernels import context_parallel
+
+    rng = np.random.default_rng(0)
+    B, T, HQ, HKV, D = 1, 32, 4, 2, 16
+    q, dout = (jnp.asarray(rng.standard_normal((B, T, HQ, D)), jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((B, T, HKV, D)), jnp.bfloat16) for _ in range(2))
+    temp = jnp.asarray(rng.uniform(0.5, 2.0, (B, T, HQ)), jnp.float32)
+    dlse = jnp.asarray(rng.standard_normal((B, HQ, T)), jnp.float32)
+    f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+    for shards, causal in ((2, False), (4, True)):
+      mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
+      kw = dict(causal=causal, cap_method="tanh", cap_params=(3.0,), temperature=temp,
+                z_loss_weight=0.1, return_lse=True)
+      results = []
+      for f in (lambda q, k, v: ua_kernels.attention(q, k, v, **kw),
+                jax.jit(lambda q, k, v: context_parallel.attention(
+                    q, k, v, mesh=mesh, axis="context", **kw))):
+        (out, lse), vjp = jax.vjp(f, q, k, v)
+        results.append([out, lse, *vjp((dout, dlse))])
+      for name, one, sharded in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        scale = max(float(np.abs(f32(one)).max()), 1.0)
+        err = float(np.abs(f32(one) - f32(sharded)).max())
+        print(f"{shards} {causal} {name} {err / scale:.3e}")
+""")
+
+# Relative to the output's largest element: the sharded op rounds each shard's
+# partial output to bfloat16 before the merge, a few bfloat16 ulps (2^-8) apart
+# from the single call; a wrong mask or a lost z-loss gradient moves outputs by
+# tenths.
+BOUND = 4 * 2.0 ** -8
+
+
+def test_sharded_matches_the_single_device_call():
+  proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                        timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [line.split() for line in proc.stdout.splitlines()]
+  assert len(rows) == 10, proc.stdout
+  worst = {(shards, causal, name): float(err) for shards, causal, name, err in rows}
+  assert all(err < BOUND for err in worst.values()), worst
+
+
+def _inputs(t=16):
+  x = jnp.zeros((1, t, 2, 16), jnp.bfloat16)
+  return x, x, x
+
+
+def test_what_it_does_not_take_is_refused_by_name():
+  mesh = Mesh(np.array(jax.devices()[:1]), ("context",))
+  q, k, v = _inputs()
+  with pytest.raises(ValueError, match="multiple of twice"):
+    context_parallel.attention(*_inputs(t=15), mesh=mesh, axis="context")
+  with pytest.raises(ValueError, match="axis 'ring'"):
+    context_parallel.attention(q, k, v, mesh=mesh, axis="ring")
+  with pytest.raises(TypeError, match="mesh must be"):
+    context_parallel.attention(q, k, v, mesh="context", axis="context")
+  with pytest.raises(NotImplementedError, match="window"):
+    context_parallel.attention(q, k, v, mesh=mesh, axis="context", window_len=4)
+  with pytest.raises(NotImplementedError, match="segment ids"):
+    context_parallel.attention(q, k, v, mesh=mesh, axis="context",
+                               segment_ids=jnp.zeros((1, 16), jnp.int32))
+
+
+def test_one_shard_is_the_plain_call():
+  """P = 1: the ring has one step, the zig-zag two chunks of the one device."""
+  mesh = Mesh(np.array(jax.devices()[:1]), ("context",))
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 16, 2, 16)), jnp.float32) for _ in range(3))
+  one = context_parallel.attention(q, k, v, mesh=mesh, axis="context", causal=True)
+  plain = ua_kernels.attention(q, k, v, causal=True)
+  np.testing.assert_allclose(np.asarray(one), np.asarray(plain), atol=1e-5)

@@ -1,0 +1,195 @@
+"""Context-parallel attention: one sequence sharded over the devices of a mesh axis.
+
+Each of the P devices holds T/P queries, keys and values. The key/value shards travel
+around a ring (``lax.ppermute`` under ``shard_map``), each device attends its queries to
+the shard it holds with this package's kernels, and the partial outputs merge through
+their log-sum-exp. The backward is jax's transpose of the same ring: dK and dV travel
+back with their shard; nothing is atomic, so gradients are deterministic.
+
+Causal attention uses the zig-zag layout: the sequence is cut in 2P chunks and device d
+holds chunks d and 2P - 1 - d, so every device does the same causal work. A (query
+chunk, key chunk) pair is then fully visible (the key chunk is earlier), the diagonal
+(a causal call) or hidden (skipped: no kernel runs). The cost model is in
+docs/CONTEXT_PARALLEL.md.
+
+Windows and segment ids are not supported yet: a window that crosses a shard boundary
+and a document that spans shards need the kernels to place a key block at positions
+other than the query block's, which they cannot yet. They raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from ua_reference.contract import validate
+
+from .attention import attention as _attention
+from .kernel_config import KernelConfig
+
+
+def attention(q, k, v, *, mesh: Mesh, axis: str, segment_ids=None, causal=False,
+              window_len=0, cap_method="none", cap_params=(), temperature=None,
+              sm_scale=None, z_loss_weight=0.0, return_lse=False,
+              config: KernelConfig | None = None):
+  """The contract's attention (docs/SEMANTICS.md) with T sharded over ``mesh``'s
+  ``axis``: global q, k, v [B, T, H, D] in, global out (and lse) out. T must be a
+  multiple of twice the axis size (the zig-zag chunks)."""
+  spec, segment_ids, temperature = validate(
+      q, k, v, segment_ids=segment_ids, causal=causal, window_len=window_len,
+      cap_method=cap_method, cap_params=cap_params, temperature=temperature,
+      sm_scale=sm_scale, z_loss_weight=z_loss_weight, return_lse=return_lse)
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if axis not in mesh.shape:
+    raise ValueError(f"axis {axis!r} is not an axis of the mesh (axes {tuple(mesh.shape)})")
+  shards = mesh.shape[axis]
+  t = q.shape[1]
+  if t % (2 * shards):
+    raise ValueError(f"the sequence length ({t}) must be a multiple of twice the number of "
+                     f"shards along {axis!r} ({2 * shards}): the zig-zag layout cuts it in "
+                     f"{2 * shards} equal chunks")
+  if segment_ids is not None:
+    raise NotImplementedError("context-parallel attention does not take segment ids yet "
+                              "(a document spanning shards needs key positions apart from "
+                              "the query block's in the kernels)")
+  if 0 < spec.window_len < t:
+    raise NotImplementedError("context-parallel attention does not take a window yet (a "
+                              "window crossing a shard boundary needs key positions apart "
+                              "from the query block's in the kernels)")
+  call = functools.partial(
+      _attention, causal=False, cap_method=cap_method, cap_params=tuple(cap_params),
+      sm_scale=spec.sm_scale, return_lse=True, config=config)
+  ring = functools.partial(_ring, call=call, axis=axis, shards=shards, causal=causal,
+                           z_loss_weight=float(z_loss_weight), out_dtype=q.dtype)
+  seq = PartitionSpec(None, axis)
+  has_temp = temperature is not None
+  in_specs = (seq, seq, seq) + ((seq,) if has_temp else ())
+  out_specs = (seq, PartitionSpec(None, None, axis))
+  args = tuple(_zigzag(x, shards) for x in (q, k, v) + ((temperature,) if has_temp else ()))
+  sharded = _shard_map(ring, mesh, in_specs, out_specs)
+  out, lse = sharded(*args)
+  out, lse = _unzigzag(out, shards), _unzigzag(lse, shards, axis=2)
+  return (out, lse) if return_lse else out
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+  """jax.shard_map without its replication check (a pallas_call has no rule for it);
+  the keyword is check_vma in newer jax, check_rep in older."""
+  params = inspect.signature(jax.shard_map).parameters
+  check = {"check_vma": False} if "check_vma" in params else {"check_rep": False}
+  return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **check)
+
+
+def _zigzag_order(shards: int) -> list[int]:
+  """Chunk order of the zig-zag layout: device d's two chunks d, 2P-1-d, in turn."""
+  return [c for d in range(shards) for c in (d, 2 * shards - 1 - d)]
+
+
+def _zigzag(x, shards: int, axis: int = 1):
+  chunks = jnp.split(x, 2 * shards, axis=axis)
+  return jnp.concatenate([chunks[c] for c in _zigzag_order(shards)], axis=axis)
+
+
+def _unzigzag(x, shards: int, axis: int = 1):
+  chunks = jnp.split(x, 2 * shards, axis=axis)
+  where = {c: i for i, c in enumerate(_zigzag_order(shards))}
+  return jnp.concatenate([chunks[where[c]] for c in range(2 * shards)], axis=axis)
+
+
+def _ring(q, k, v, temperature=None, *, call, axis, shards, causal, z_loss_weight,
+          out_dtype):
+  """One device's part: its two query chunks against every key chunk of the ring."""
+  device = lax.axis_index(axis)
+  half = q.shape[1] // 2
+  own = (device, 2 * shards - 1 - device)  # global chunk numbers of the local chunks
+  queries = [(q[:, i * half:(i + 1) * half], own[i],
+              None if temperature is None else temperature[:, i * half:(i + 1) * half])
+             for i in range(2)]
+  partial = [None, None]
+  for step in range(shards):
+    source = (device - step) % shards  # whose keys this device holds at this step
+    key_chunks = ((source, 0), (2 * shards - 1 - source, 1))
+    for i, (q_chunk, q_id, temp) in enumerate(queries):
+      for k_id, j in key_chunks:
+        rows = slice(j * half, (j + 1) * half)
+        pair = _pair(call, q_chunk, k[:, rows], v[:, rows], temp, q_id, k_id, causal)
+        partial[i] = pair if partial[i] is None else _merge(partial[i], pair)
+    if step < shards - 1:
+      perm = [(d, (d + 1) % shards) for d in range(shards)]
+      k, v = lax.ppermute(k, axis, perm), lax.ppermute(v, axis, perm)
+  outs, lses = zip(*(_finish(o, lse, z_loss_weight, out_dtype) for o, lse in partial))
+  return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
+
+
+def _pair(call, q, k, v, temperature, q_id, k_id, causal):
+  """(out float32 [B, c, H, D], lse [B, H, c]) of query chunk q_id against key
+  chunk k_id: every key visible, or (causal) the diagonal's causal call, or
+  none (an empty part: zeros and lse -inf, no kernel)."""
+  def full(q, k, v, temperature):
+    out, lse = call(q, k, v, temperature=temperature)
+    return out.astype(jnp.float32), lse
+
+  if not causal:
+    return full(q, k, v, temperature)
+
+  def diagonal(q, k, v, temperature):
+    out, lse = call(q, k, v, temperature=temperature, causal=True)
+    return out.astype(jnp.float32), lse
+
+  def hidden(q, k, v, temperature):
+    b, c, h, _ = q.shape
+    return (jnp.zeros(q.shape[:3] + (v.shape[3],), jnp.float32),
+            jnp.full((b, h, c), -jnp.inf, jnp.float32))
+
+  kind = jnp.where(k_id < q_id, 0, jnp.where(k_id == q_id, 1, 2))
+  return lax.switch(kind, (full, diagonal, hidden), q, k, v, temperature)
+
+
+def _merge(a, b):
+  """Two parts of the same query rows, merged through their lse (rows where
+  both are empty stay empty: out 0, lse -inf, and no NaN in the gradient)."""
+  (out_a, lse_a), (out_b, lse_b) = a, b
+  top = jnp.maximum(lse_a, lse_b)
+  empty = top == -jnp.inf
+  top = jnp.where(empty, 0.0, top)
+  w_a, w_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+  total = w_a + w_b
+  safe = jnp.where(empty, 1.0, total)
+  lse = jnp.where(empty, -jnp.inf, top + jnp.log(safe))
+  rows = lambda w: jnp.transpose(w / safe, (0, 2, 1))[..., None]
+  return out_a * rows(w_a) + out_b * rows(w_b), lse
+
+
+def _finish(out, lse, z_loss_weight, out_dtype):
+  """The merged rows with the z-loss on their lse: the lse passes through an
+  identity whose backward adds w * lse (the contract's z-loss gradient), and the
+  output is rescaled by exp(lse - that identity), 1 in value, so that the
+  injected gradient reaches the output's path as it does in the reference."""
+  if z_loss_weight:
+    with_z = _with_z_loss(lse, z_loss_weight)
+    safe = lambda x: jnp.where(jnp.isfinite(lse), x, 0.0)
+    out = out * jnp.transpose(jnp.exp(safe(lse) - safe(with_z)), (0, 2, 1))[..., None]
+    lse = with_z
+  return out.astype(out_dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _with_z_loss(lse, weight):
+  return lse
+
+
+def _with_z_loss_fwd(lse, weight):
+  return lse, lse
+
+
+def _with_z_loss_bwd(weight, lse, g):
+  return (g + weight * jnp.where(jnp.isfinite(lse), lse, 0.0),)
+
+
+_with_z_loss.defvjp(_with_z_loss_fwd, _with_z_loss_bwd)
