@@ -12,7 +12,10 @@ as attributes of the callable:
   keyword choosing its tiles, and the suite passes one built this way;
 - ``ua_cap_methods``: the registered cap methods it supports (default: all);
 - ``ua_cap_forms``: ``(cap_method) -> (forward, grad) | None``: its own
-  (faster) forms of a cap, which the cap checks compare with the exact ones.
+  (faster) forms of a cap, which the cap checks compare with the exact ones;
+- ``ua_seq_len_multiple``: an int: it takes only sequence lengths that are a
+  multiple of it (a sharded op: twice its shard count); the suite draws
+  lengths rounded up to one.
 
 Nothing else whose name starts with ``ua_`` is accepted: a misspelt
 declaration is an error, not a silently wider test.
@@ -28,7 +31,7 @@ from .case import FEATURES, Case
 
 DTYPES = ("float32", "bfloat16", "float16")
 KNOWN_ATTRIBUTES = ("ua_unsupported", "ua_dtypes", "ua_head_dims", "ua_block_sizes",
-                    "ua_config", "ua_cap_methods", "ua_cap_forms")
+                    "ua_config", "ua_cap_methods", "ua_cap_forms", "ua_seq_len_multiple")
 
 
 class CapabilityError(ValueError):
@@ -52,6 +55,7 @@ class Implementation:
   config: Callable[[int, int], Any] | None = None
   cap_methods: frozenset | None = None   # None: every registered method
   cap_forms: Callable[[str], Any] | None = None
+  seq_len_multiple: int = 1
 
   def supports(self, case: Case) -> str | None:
     """None if the case is within the declarations, else why not."""
@@ -64,7 +68,13 @@ class Implementation:
       return f"declares head dim {case.head_dim} unsupported"
     if not self.supports_cap(case.cap_method):
       return f"declares cap method {case.cap_method!r} unsupported"
+    if case.seq_len % self.seq_len_multiple:
+      return f"declares sequence lengths that are multiples of {self.seq_len_multiple}"
     return None
+
+  def fit_seq_len(self, t: int) -> int:
+    """``t`` rounded up to a length the implementation takes."""
+    return -(-t // self.seq_len_multiple) * self.seq_len_multiple
 
   def supports_cap(self, name: str) -> bool:
     return name == "none" or self.cap_methods is None or name in self.cap_methods
@@ -157,6 +167,12 @@ def declare(name: str, fn: Callable) -> Implementation:
       raise CapabilityError(f"{name}.ua_cap_methods names unregistered cap methods {unknown}; "
                             f"registered: {sorted(CAP_METHODS)}")
     kwargs["cap_methods"] = frozenset(methods)
+  if hasattr(fn, "ua_seq_len_multiple"):
+    multiple = fn.ua_seq_len_multiple
+    if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
+      raise CapabilityError(f"{name}.ua_seq_len_multiple must be a positive int, "
+                            f"got {multiple!r}")
+    kwargs["seq_len_multiple"] = multiple
   for attr in ("ua_config", "ua_cap_forms"):
     if hasattr(fn, attr):
       if not callable(getattr(fn, attr)):

@@ -113,7 +113,7 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
   pair = _pick(draw, tile_choices, 'tiles', rotation)
   tiles = impl.block_sizes if pair is None else tuple(sorted(set(pair)))
 
-  t = _seq_len(draw, buckets, tiles, rotation, multi_tile)
+  t = impl.fit_seq_len(_seq_len(draw, buckets, tiles, rotation, multi_tile))
   long = t >= buckets.long_seq
   head_pairs = [p for p in buckets.heads if not long or p[1] <= 2]
   if "gqa" in forced:

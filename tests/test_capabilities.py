@@ -1,6 +1,8 @@
 """Capability declarations (properties/capabilities.py): read, checked, and
 honoured by the strategies."""
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -32,6 +34,8 @@ def _fn(**attrs):
                                     "not the string 'causal'"),
     (dict(ua_dtypes="float32"), "ua_dtypes must be a collection of dtype names, not the string"),
     (dict(ua_block_sizes="64"), "tuple of ints"),
+    (dict(ua_seq_len_multiple=0), "ua_seq_len_multiple must be a positive int"),
+    (dict(ua_seq_len_multiple=4.0), "ua_seq_len_multiple must be a positive int"),
 ])
 def test_bad_declarations_are_errors(attrs, message):
   with pytest.raises(CapabilityError, match=message):
@@ -69,6 +73,17 @@ def test_declared_block_sizes_put_lengths_and_windows_at_tile_edges():
   assert {63, 64, 65, 127, 128, 129, 191, 192, 193} <= lengths, sorted(lengths)
   windows = {c.window_len for c in drawn}
   assert {63, 64, 65, 127, 128, 129} <= windows, sorted(windows)
+
+
+def test_a_declared_length_multiple_is_drawn_and_required():
+  """A sharded op takes lengths that are multiples of twice its shards: drawn
+  lengths are rounded up to one, and any other case is declared unsupported."""
+  impl = declare("mod:attention", _fn(ua_seq_len_multiple=8))
+  drawn = _drawn(impl)
+  assert all(c.seq_len % 8 == 0 for c in drawn), sorted({c.seq_len for c in drawn})
+  assert len({c.seq_len for c in drawn}) > 3
+  assert "multiples of 8" in impl.supports(dataclasses.replace(drawn[0], seq_len=12))
+  assert impl.supports(dataclasses.replace(drawn[0], seq_len=16)) is None
 
 
 def test_a_config_gets_the_drawn_tiles():

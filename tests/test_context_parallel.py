@@ -1,12 +1,14 @@
 """Context-parallel attention (ua_kernels.context_parallel) over virtual CPU
 devices: the sharded op against the single-device kernels, outputs and every
 gradient, for 2 shards (not causal) and 4 (causal: the zig-zag layout's full,
-diagonal and hidden pairs), with GQA, temperature, a cap, the z-loss and lse;
-and a clear error for what it does not take yet.
+diagonal and hidden pairs), with windows that cross shard boundaries, documents
+that span shards, GQA, temperature, a cap, the z-loss and lse; and clear errors
+for bad input.
 
 The sharded runs need several devices, which a process fixes when jax starts
 (``--xla_force_host_platform_device_count``): they run in a subprocess."""
 
+import json
 import os
 import subprocess
 import sys
@@ -30,16 +32,20 @@ SCRIPT = textwrap.dedent("""
     from ua_kernels import context_parallel
 
     rng = np.random.default_rng(0)
-    B, T, HQ, HKV, D = 1, 32, 4, 2, 16
+    B, T, HQ, HKV, D = 1, 64, 4, 2, 16
     q, dout = (jnp.asarray(rng.standard_normal((B, T, HQ, D)), jnp.bfloat16) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((B, T, HKV, D)), jnp.bfloat16) for _ in range(2))
     temp = jnp.asarray(rng.uniform(0.5, 2.0, (B, T, HQ)), jnp.float32)
     dlse = jnp.asarray(rng.standard_normal((B, HQ, T)), jnp.float32)
+    # Documents of 5 to 23 tokens: most cross a shard boundary (chunks of 8 or 16).
+    seg = jnp.asarray(np.cumsum(rng.random(T) < 0.1)[None], jnp.int32)
     f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
-    for shards, causal in ((2, False), (4, True)):
+    for shards, causal, window, with_seg in ((2, False, 12, True), (4, True, 0, False),
+                                            (4, True, 12, True)):
       mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
-      kw = dict(causal=causal, cap_method="tanh", cap_params=(3.0,), temperature=temp,
-                z_loss_weight=0.1, return_lse=True)
+      kw = dict(causal=causal, window_len=window, segment_ids=seg if with_seg else None,
+                cap_method="tanh", cap_params=(3.0,), temperature=temp, z_loss_weight=0.1,
+                return_lse=True)
       results = []
       for f in (lambda q, k, v: ua_kernels.attention(q, k, v, **kw),
                 jax.jit(lambda q, k, v: context_parallel.attention(
@@ -49,7 +55,7 @@ SCRIPT = textwrap.dedent("""
       for name, one, sharded in zip(("out", "lse", "dq", "dk", "dv"), *results):
         scale = max(float(np.abs(f32(one)).max()), 1.0)
         err = float(np.abs(f32(one) - f32(sharded)).max())
-        print(f"{shards} {causal} {name} {err / scale:.3e}")
+        print(f"{shards}-{causal}-{window}-{with_seg} {name} {err / scale:.3e}")
 """)
 
 # Relative to the output's largest element: the sharded op rounds each shard's
@@ -64,8 +70,8 @@ def test_sharded_matches_the_single_device_call():
                         timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [line.split() for line in proc.stdout.splitlines()]
-  assert len(rows) == 10, proc.stdout
-  worst = {(shards, causal, name): float(err) for shards, causal, name, err in rows}
+  assert len(rows) == 15, proc.stdout
+  worst = {(config, name): float(err) for config, name, err in rows}
   assert all(err < BOUND for err in worst.values()), worst
 
 
@@ -74,7 +80,7 @@ def _inputs(t=16):
   return x, x, x
 
 
-def test_what_it_does_not_take_is_refused_by_name():
+def test_bad_input_is_refused_by_name():
   mesh = Mesh(np.array(jax.devices()[:1]), ("context",))
   q, k, v = _inputs()
   with pytest.raises(ValueError, match="multiple of twice"):
@@ -83,11 +89,6 @@ def test_what_it_does_not_take_is_refused_by_name():
     context_parallel.attention(q, k, v, mesh=mesh, axis="ring")
   with pytest.raises(TypeError, match="mesh must be"):
     context_parallel.attention(q, k, v, mesh="context", axis="context")
-  with pytest.raises(NotImplementedError, match="window"):
-    context_parallel.attention(q, k, v, mesh=mesh, axis="context", window_len=4)
-  with pytest.raises(NotImplementedError, match="segment ids"):
-    context_parallel.attention(q, k, v, mesh=mesh, axis="context",
-                               segment_ids=jnp.zeros((1, 16), jnp.int32))
 
 
 def test_one_shard_is_the_plain_call():
@@ -98,3 +99,25 @@ def test_one_shard_is_the_plain_call():
   one = context_parallel.attention(q, k, v, mesh=mesh, axis="context", causal=True)
   plain = ua_kernels.attention(q, k, v, causal=True)
   np.testing.assert_allclose(np.asarray(one), np.asarray(plain), atol=1e-5)
+
+
+def test_the_suite_verifies_the_sharded_op_over_virtual_devices(tmp_path):
+  """The sharded op is an implementation like any other: the installed suite
+  loads ``ua_kernels.context_parallel:on_2_devices`` (lengths rounded to
+  multiples of 4, around the kernels' 16-row tiles) over 2 virtual devices and
+  runs the ci profile's focused bfloat16 mask tests (causal, a window, segment
+  ids: lengths past two tiles, so chunks of 9 and more, windows and documents
+  across them); every case passes."""
+  report = tmp_path / "report.json"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "--pyargs", "properties.suite", "-q",
+       "-p", "no:cacheprovider", "--impl=ua_kernels.context_parallel:on_2_devices",
+       f"--ua-report={report}", f"--ua-failures={tmp_path / 'failures'}",
+       "-k", "matches_oracle-bfloat16-mask"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  result = json.loads(report.read_text())
+  assert result["cases"] >= 3 and not result["failures"], result["properties"]
+  assert all(r["seq_len"] % 4 == 0 for r in result["records"]), result["records"]

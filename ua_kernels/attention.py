@@ -9,7 +9,9 @@ extra inputs for them:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,28 +96,51 @@ def _pallas_call(config: KernelConfig, inputs, kernel, **kwargs):
     return pl.pallas_call(kernel, interpret=interpret, **kwargs)(*inputs)
 
 
-def _prepare(spec, config, q, k, v, seg, temp):
+def _prepare(spec, config, q, k, v, seg, temp, kseg=None):
   """Pads to the kernel layout; segment ids gain their spans and runs
-  ([B, 4, T_pad], segment_spans.segment_ranges); temperature becomes
+  ([B, 4, T_pad], segment_spans.segment_ranges), unless the keys have their
+  own (``kseg``: the spans would be the queries'); temperature becomes
   [B, Hq, T_pad]."""
   head_dim, seq_pad, blocks = _layout(spec, config)
   q, k, v = (_pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
   spans = None
   if seg is not None:
-    spans = segment_ranges(seg, seq_pad)
+    spans = None if kseg is not None else segment_ranges(seg, seq_pad)
     seg = _pad(seg, {1: seq_pad})
   if temp is not None:
     temp = _pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad})
   return q, k, v, seg, spans, temp, head_dim, seq_pad, blocks
 
 
-def _segment_specs(seg, seq_pad: int):
+def _segment_specs(seg, spans, seq_pad: int):
   """BlockSpecs of the whole row of segment ids and of their spans, for any of
-  the three grids (tile, batch, head); (None, None) without segment ids."""
-  if seg is None:
-    return None, None
-  return (pl.BlockSpec((None, seq_pad), lambda i, bi, h: (bi, 0)),
-          pl.BlockSpec((None, 4, seq_pad), lambda i, bi, h: (bi, 0, 0)))
+  the three grids (tile, batch, head); None for each that is absent."""
+  return (None if seg is None else pl.BlockSpec((None, seq_pad), lambda i, bi, h: (bi, 0)),
+          None if spans is None else pl.BlockSpec((None, 4, seq_pad),
+                                                  lambda i, bi, h: (bi, 0, 0)))
+
+
+class KeyBlock(NamedTuple):
+  """Keys from elsewhere in the sequence (a shard of context_parallel): their
+  own segment ids [B, T] (or None) and ``offset``, an int32 scalar, how far
+  the queries' positions lie after the keys' (kernels.forward_kernel)."""
+
+  segment_ids: jax.Array | None
+  offset: jax.Array
+
+
+# The offset travels as a [1, 16] int32 row (Triton loads no scalars; kernels._offset).
+_OFFSET_SPEC = pl.BlockSpec((1, 16), lambda i, bi, h: (0, 0))
+
+
+def _key_block_inputs(keys: "KeyBlock | None", seq_pad: int):
+  """(kseg, offset row) padded for the kernels, and their BlockSpecs."""
+  if keys is None:
+    return (None, None), (None, None)
+  kseg = None if keys.segment_ids is None else _pad(keys.segment_ids, {1: seq_pad})
+  offset = jnp.broadcast_to(jnp.asarray(keys.offset, jnp.int32), (1, 16))
+  kseg_spec = None if kseg is None else pl.BlockSpec((None, seq_pad), lambda i, bi, h: (bi, 0))
+  return (kseg, offset), (kseg_spec, _OFFSET_SPEC)
 
 
 def _query_program_specs(spec: StaticSpec, bq: int, head_dim: int, seq_pad: int):
@@ -137,13 +162,15 @@ def _is_hopper() -> bool:
   return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
 
 
-def forward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
+def forward_backend(spec: StaticSpec, config: KernelConfig, dtype, keys=None) -> str:
   """"mosaic" or "triton": the kernels of the forward for this call and config
   (KernelConfig.backend). "auto" takes Mosaic on Hopper for 16-bit inputs and
-  head dims up to 256."""
+  head dims up to 256; keys from elsewhere (a KeyBlock) only Triton takes."""
   if config.backend == "triton":
     return "triton"
   why = mosaic_forward.unsupported(spec, dtype)
+  if keys is not None:
+    why = "keys from another block of the sequence (context_parallel) run on Triton only"
   if config.backend == "mosaic":
     if why:
       raise ValueError(f"KernelConfig(backend='mosaic'): {why}")
@@ -166,17 +193,18 @@ def _keeps_lse2_low(dtype) -> bool:
 
 
 def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
-             with_low: bool = False):
+             with_low: bool = False, keys: KeyBlock | None = None):
   """(out, lse2, lse2_low): lse2_low is None unless ``with_low`` (for a
   backward) and _keeps_lse2_low. ``config`` is effective (effective_config)."""
   config.require_filled("ua_kernels.attention's forward")
-  if forward_backend(spec, config, q.dtype) == "mosaic":
+  if forward_backend(spec, config, q.dtype, keys) == "mosaic":
     return (*mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp,
                                     fast_cap=_fast_cap(spec, q.dtype)), None)
   keep_low = with_low and _keeps_lse2_low(q.dtype)
   b, t, hq, d = q.shape
-  q, k, v, seg, spans, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg,
-                                                                   temp)
+  q, k, v, seg, spans, temp, head_dim, seq_pad, blocks = _prepare(
+      spec, config, q, k, v, seg, temp, None if keys is None else keys.segment_ids)
+  key_inputs, key_specs = _key_block_inputs(keys, seq_pad)
   bq, bkv = blocks["block_q"], blocks["block_kv"]
   kernel = functools.partial(kernels.forward_kernel, spec=spec, block_q=bq,
                              block_kv=bkv, padded=seq_pad != t,
@@ -184,10 +212,10 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
   tile, whole_kv, row = _query_program_specs(spec, bq, head_dim, seq_pad)
   rows = jax.ShapeDtypeStruct((b, hq, seq_pad), jnp.float32)
   out, lse2, *low = _pallas_call(
-      config, (q, k, v, seg, spans, temp), kernel,
+      config, (q, k, v, seg, spans, temp, *key_inputs), kernel,
       grid=(seq_pad // bq, b, hq),
-      in_specs=[tile, whole_kv, whole_kv, *_segment_specs(seg, seq_pad),
-                None if temp is None else row],
+      in_specs=[tile, whole_kv, whole_kv, *_segment_specs(seg, spans, seq_pad),
+                None if temp is None else row, *key_specs],
       out_specs=[tile, row] + [row] * keep_low,
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), rows] + [rows] * keep_low,
       compiler_params=_compiler_params(config),
@@ -196,13 +224,13 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
   return out[:, :t, :, :d], lse2[:, :, :t], low[0][:, :, :t] if low else None
 
 
-def backward_backend(spec: StaticSpec, config: KernelConfig, dtype) -> str:
+def backward_backend(spec: StaticSpec, config: KernelConfig, dtype, keys=None) -> str:
   """"mosaic" or "triton": the kernels of the backward, the forward's backend
   where its backward supports the call (the Mosaic one: head dims up to 256,
   above 128 with tiles whose shared memory fits; mosaic_backward.unsupported).
   ``config`` as given or effective: its unset tiles are the table's here too."""
   config = effective_config(spec, dtype, config)
-  if (forward_backend(spec, config, dtype) == "mosaic"
+  if (forward_backend(spec, config, dtype, keys) == "mosaic"
       and mosaic_backward.unsupported(spec, dtype, config.mosaic) is None):
     return "mosaic"
   return "triton"
@@ -224,18 +252,19 @@ def _delta(spec: StaticSpec, out, dout, lse2, dlse):
 
 
 def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, lse2,
-              lse2_low, dout, dlse):
+              lse2_low, dout, dlse, keys: KeyBlock | None = None):
   """(dq, dk, dv); ``lse2_low`` as _forward returns it (None: not kept);
   ``config`` is effective (effective_config)."""
   config.require_filled("ua_kernels.attention's backward")
   delta = _delta(spec, out, dout, lse2, dlse)
-  if backward_backend(spec, config, q.dtype) == "mosaic":
+  if backward_backend(spec, config, q.dtype, keys) == "mosaic":
     return mosaic_backward.backward(spec, config.mosaic, q, k, v, seg, temp, lse2, delta, dout,
                                     fast_cap=_fast_cap(spec, q.dtype))
   b, t, hq, d = q.shape
   hkv, group = spec.num_kv_heads, spec.group_size
-  q, k, v, seg, spans, temp, head_dim, seq_pad, blocks = _prepare(spec, config, q, k, v, seg,
-                                                                   temp)
+  q, k, v, seg, spans, temp, head_dim, seq_pad, blocks = _prepare(
+      spec, config, q, k, v, seg, temp, None if keys is None else keys.segment_ids)
+  key_inputs, key_specs = _key_block_inputs(keys, seq_pad)
   dout = _pad(dout, {1: seq_pad, 3: head_dim})
   lse2 = _pad(lse2, {2: seq_pad})
   if lse2_low is not None:
@@ -243,9 +272,9 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
   delta = _pad(delta, {2: seq_pad})
   padded = seq_pad != t
   fast_cap = _fast_cap(spec, q.dtype)
-  segment_specs = _segment_specs(seg, seq_pad)
+  segment_specs = _segment_specs(seg, spans, seq_pad)
   params = dict(compiler_params=_compiler_params(config, backward=True))
-  inputs = (q, k, v, seg, spans, temp, dout, lse2, lse2_low, delta)
+  inputs = (q, k, v, seg, spans, temp, *key_inputs, dout, lse2, lse2_low, delta)
   has_low = lse2_low is not None
 
   # dq: one program per (query tile, batch, query head).
@@ -256,7 +285,8 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
                         padded=padded, fast_cap=fast_cap),
       grid=(seq_pad // bq, b, hq),
       in_specs=[tile, whole_kv, whole_kv, *segment_specs,
-                None if temp is None else row, tile, row, row if has_low else None, row],
+                None if temp is None else row, *key_specs, tile, row,
+                row if has_low else None, row],
       out_specs=tile,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       name="ua_backward_dq", **params,
@@ -273,7 +303,7 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
                         per_head_totals=_per_head_totals(spec, q.dtype)),
       grid=(seq_pad // bkv, b, hkv),
       in_specs=[group_q, kv_tile, kv_tile, *segment_specs,
-                None if temp is None else group_rows, group_q, group_rows,
+                None if temp is None else group_rows, *key_specs, group_q, group_rows,
                 group_rows if has_low else None, group_rows],
       out_specs=[kv_tile, kv_tile],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 2,
@@ -283,22 +313,23 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(spec, config, q, k, v, seg, temp):
-  out, lse2, _ = _forward(spec, config, q, k, v, seg, temp)
+def _attention(spec, config, q, k, v, seg, temp, keys=None):
+  out, lse2, _ = _forward(spec, config, q, k, v, seg, temp, keys=keys)
   return out, lse2 * LN2
 
 
-def _attention_fwd(spec, config, q, k, v, seg, temp):
-  out, lse2, lse2_low = _forward(spec, config, q, k, v, seg, temp, with_low=True)
-  return (out, lse2 * LN2), (q, k, v, seg, temp, out, lse2, lse2_low)
+def _attention_fwd(spec, config, q, k, v, seg, temp, keys=None):
+  out, lse2, lse2_low = _forward(spec, config, q, k, v, seg, temp, with_low=True, keys=keys)
+  return (out, lse2 * LN2), (q, k, v, seg, temp, keys, out, lse2, lse2_low)
 
 
 def _attention_bwd(spec, config, residuals, cotangents):
-  q, k, v, seg, temp, out, lse2, lse2_low = residuals
+  q, k, v, seg, temp, keys, out, lse2, lse2_low = residuals
   dout, dlse = cotangents
-  dq, dk, dv = _backward(spec, config, q, k, v, seg, temp, out, lse2, lse2_low, dout, dlse)
-  # segment_ids and temperature receive no gradient (docs/SEMANTICS.md).
-  return dq, dk, dv, None, None
+  dq, dk, dv = _backward(spec, config, q, k, v, seg, temp, out, lse2, lse2_low, dout, dlse,
+                         keys)
+  # segment_ids, temperature and the key block receive no gradient (docs/SEMANTICS.md).
+  return dq, dk, dv, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -323,6 +354,40 @@ def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
   config = effective_config(spec, q.dtype, config)
   out, lse = _jitted_attention(spec, config, q, k, v, segment_ids, temperature)
   return (out, lse) if return_lse else out
+
+
+def attention_block(q, k, v, *, offset, segment_ids=None, kv_segment_ids=None, causal=False,
+                    window_len=0, cap_method="none", cap_params=(), temperature=None,
+                    sm_scale=None, config: KernelConfig | None = None):
+  """(out, lse) of a block of queries against a block of keys from elsewhere in
+  the same sequence: the queries' positions lie ``offset`` (an int32 scalar,
+  traced or not) after the keys'; ``segment_ids`` are the queries',
+  ``kv_segment_ids`` the keys' (both or neither). ``window_len`` is the
+  sequence's (not clamped to this block's length). Gradients flow to q, k, v
+  and lse as in ``attention``; the Triton kernels run it. For
+  context_parallel, which merges such blocks through their lse."""
+  if (segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("segment_ids and kv_segment_ids go together: the queries' and the "
+                     "keys' own")
+  spec, segment_ids, temperature = validate(
+      q, k, v, segment_ids=segment_ids, causal=causal, window_len=0,
+      cap_method=cap_method, cap_params=cap_params, temperature=temperature,
+      sm_scale=sm_scale, return_lse=True)
+  if isinstance(window_len, bool) or not isinstance(window_len, int) or window_len < 0:
+    raise ValueError(f"window_len must be a non-negative int, got {window_len!r}")
+  spec = dataclasses.replace(spec, window_len=window_len)
+  if kv_segment_ids is not None:
+    kv_segment_ids = jnp.asarray(kv_segment_ids)
+    if kv_segment_ids.shape != segment_ids.shape or not jnp.issubdtype(
+        kv_segment_ids.dtype, jnp.integer):
+      raise ValueError(f"kv_segment_ids must be integers of shape {segment_ids.shape} (the "
+                       f"keys' [B, T]), got {kv_segment_ids.dtype}{list(kv_segment_ids.shape)}")
+    kv_segment_ids = kv_segment_ids.astype(jnp.int32)
+  if temperature is not None:
+    temperature = temperature.astype(jnp.float32)
+  config = effective_config(spec, q.dtype, config)
+  keys = KeyBlock(kv_segment_ids, jnp.asarray(offset, jnp.int32))
+  return _jitted_attention(spec, config, q, k, v, segment_ids, temperature, keys)
 
 
 def _config_for_tiles(block_q: int, block_kv: int) -> KernelConfig:

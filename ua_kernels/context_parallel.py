@@ -12,9 +12,10 @@ chunk, key chunk) pair is then fully visible (the key chunk is earlier), the dia
 (a causal call) or hidden (skipped: no kernel runs). The cost model is in
 docs/CONTEXT_PARALLEL.md.
 
-Windows and segment ids are not supported yet: a window that crosses a shard boundary
-and a document that spans shards need the kernels to place a key block at positions
-other than the query block's, which they cannot yet. They raise NotImplementedError.
+Windows and segment ids take the kernels' key blocks (attention.attention_block): a
+window that crosses a shard boundary sees keys of another shard at their own positions,
+and a document that spans shards is matched by the keys' own segment ids, which travel
+around the ring with their shard. Those pairs run on the Triton kernels.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from ua_reference.contract import validate
+from ua_reference.reference import with_z_loss_gradient
 
-from .attention import attention as _attention
+from .attention import SUPPORTED_DTYPES, attention as _attention, attention_block
 from .kernel_config import KernelConfig
 
 
@@ -54,26 +57,22 @@ def attention(q, k, v, *, mesh: Mesh, axis: str, segment_ids=None, causal=False,
     raise ValueError(f"the sequence length ({t}) must be a multiple of twice the number of "
                      f"shards along {axis!r} ({2 * shards}): the zig-zag layout cuts it in "
                      f"{2 * shards} equal chunks")
-  if segment_ids is not None:
-    raise NotImplementedError("context-parallel attention does not take segment ids yet "
-                              "(a document spanning shards needs key positions apart from "
-                              "the query block's in the kernels)")
-  if 0 < spec.window_len < t:
-    raise NotImplementedError("context-parallel attention does not take a window yet (a "
-                              "window crossing a shard boundary needs key positions apart "
-                              "from the query block's in the kernels)")
-  call = functools.partial(
-      _attention, causal=False, cap_method=cap_method, cap_params=tuple(cap_params),
-      sm_scale=spec.sm_scale, return_lse=True, config=config)
-  ring = functools.partial(_ring, call=call, axis=axis, shards=shards, causal=causal,
+  window = spec.window_len if spec.window_len < t else 0  # validate clamps it to T
+  common = dict(cap_method=cap_method, cap_params=tuple(cap_params), sm_scale=spec.sm_scale,
+                config=config)
+  plain = functools.partial(_attention, causal=False, return_lse=True, **common)
+  block = functools.partial(attention_block, causal=causal, window_len=window, **common)
+  ring = functools.partial(_ring, plain=plain, block=block, axis=axis, shards=shards,
+                           causal=causal, by_block=bool(window) or segment_ids is not None,
                            z_loss_weight=float(z_loss_weight), out_dtype=q.dtype)
   seq = PartitionSpec(None, axis)
-  has_temp = temperature is not None
-  in_specs = (seq, seq, seq) + ((seq,) if has_temp else ())
+  extras = {name: x for name, x in (("temperature", temperature), ("segment_ids", segment_ids))
+            if x is not None}
+  in_specs = (seq, seq, seq, {name: seq for name in extras})
   out_specs = (seq, PartitionSpec(None, None, axis))
-  args = tuple(_zigzag(x, shards) for x in (q, k, v) + ((temperature,) if has_temp else ()))
+  zig = lambda x: _zigzag(x, shards)
   sharded = _shard_map(ring, mesh, in_specs, out_specs)
-  out, lse = sharded(*args)
+  out, lse = sharded(zig(q), zig(k), zig(v), {name: zig(x) for name, x in extras.items()})
   out, lse = _unzigzag(out, shards), _unzigzag(lse, shards, axis=2)
   return (out, lse) if return_lse else out
 
@@ -102,27 +101,33 @@ def _unzigzag(x, shards: int, axis: int = 1):
   return jnp.concatenate([chunks[where[c]] for c in range(2 * shards)], axis=axis)
 
 
-def _ring(q, k, v, temperature=None, *, call, axis, shards, causal, z_loss_weight,
+def _ring(q, k, v, extras, *, plain, block, axis, shards, causal, by_block, z_loss_weight,
           out_dtype):
-  """One device's part: its two query chunks against every key chunk of the ring."""
+  """One device's part: its two query chunks against every key chunk of the ring.
+  ``extras``: the local temperature and segment ids, where given."""
   device = lax.axis_index(axis)
   half = q.shape[1] // 2
+  chunk = lambda x, i: None if x is None else x[:, i * half:(i + 1) * half]
+  temperature, seg = extras.get("temperature"), extras.get("segment_ids")
   own = (device, 2 * shards - 1 - device)  # global chunk numbers of the local chunks
-  queries = [(q[:, i * half:(i + 1) * half], own[i],
-              None if temperature is None else temperature[:, i * half:(i + 1) * half])
-             for i in range(2)]
+  kv_seg = seg  # the keys' segment ids travel with their shard
   partial = [None, None]
   for step in range(shards):
     source = (device - step) % shards  # whose keys this device holds at this step
-    key_chunks = ((source, 0), (2 * shards - 1 - source, 1))
-    for i, (q_chunk, q_id, temp) in enumerate(queries):
-      for k_id, j in key_chunks:
-        rows = slice(j * half, (j + 1) * half)
-        pair = _pair(call, q_chunk, k[:, rows], v[:, rows], temp, q_id, k_id, causal)
+    for i in range(2):
+      for j, k_id in enumerate((source, 2 * shards - 1 - source)):
+        args = (chunk(q, i), chunk(k, j), chunk(v, j), chunk(temperature, i))
+        if by_block:
+          pair = _block_pair(block, *args, chunk(seg, i), chunk(kv_seg, j),
+                             (own[i] - k_id) * half, causal and k_id > own[i])
+        else:
+          pair = _pair(plain, *args, own[i], k_id, causal)
         partial[i] = pair if partial[i] is None else _merge(partial[i], pair)
     if step < shards - 1:
       perm = [(d, (d + 1) % shards) for d in range(shards)]
       k, v = lax.ppermute(k, axis, perm), lax.ppermute(v, axis, perm)
+      if kv_seg is not None:
+        kv_seg = lax.ppermute(kv_seg, axis, perm)
   outs, lses = zip(*(_finish(o, lse, z_loss_weight, out_dtype) for o, lse in partial))
   return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
 
@@ -151,6 +156,23 @@ def _pair(call, q, k, v, temperature, q_id, k_id, causal):
   return lax.switch(kind, (full, diagonal, hidden), q, k, v, temperature)
 
 
+def _block_pair(block, q, k, v, temperature, seg, kv_seg, offset, hidden):
+  """A pair through the kernels' key blocks (a window or segment ids): the
+  queries lie ``offset`` after the keys; a pair ``hidden`` by causality runs
+  no kernel (lax.cond), the kernels' tile ranges skip the rest that is hidden."""
+  def run(q, k, v, temperature, seg, kv_seg, offset):
+    out, lse = block(q, k, v, temperature=temperature, segment_ids=seg,
+                     kv_segment_ids=kv_seg, offset=offset)
+    return out.astype(jnp.float32), lse
+
+  def skip(q, k, v, temperature, seg, kv_seg, offset):
+    b, c, h, _ = q.shape
+    return (jnp.zeros(q.shape[:3] + (v.shape[3],), jnp.float32),
+            jnp.full((b, h, c), -jnp.inf, jnp.float32))
+
+  return lax.cond(hidden, skip, run, q, k, v, temperature, seg, kv_seg, offset)
+
+
 def _merge(a, b):
   """Two parts of the same query rows, merged through their lse (rows where
   both are empty stay empty: out 0, lse -inf, and no NaN in the gradient)."""
@@ -172,24 +194,35 @@ def _finish(out, lse, z_loss_weight, out_dtype):
   output is rescaled by exp(lse - that identity), 1 in value, so that the
   injected gradient reaches the output's path as it does in the reference."""
   if z_loss_weight:
-    with_z = _with_z_loss(lse, z_loss_weight)
+    with_z = with_z_loss_gradient(lse, z_loss_weight)
     safe = lambda x: jnp.where(jnp.isfinite(lse), x, 0.0)
     out = out * jnp.transpose(jnp.exp(safe(lse) - safe(with_z)), (0, 2, 1))[..., None]
     lse = with_z
   return out.astype(out_dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _with_z_loss(lse, weight):
-  return lse
+def _on_devices(shards: int):
+  """``attention`` on the first ``shards`` devices, as an implementation the
+  suite can load (``--impl ua_kernels.context_parallel:on_2_devices``): one mesh
+  axis over them, with its declarations. On the CPU, start jax with that many
+  devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=4``."""
+  def sharded(q, k, v, **kwargs):
+    devices = jax.devices()
+    if len(devices) < shards:
+      raise RuntimeError(f"{shards} devices needed, {len(devices)} present (on the CPU: "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={shards})")
+    mesh = Mesh(np.array(devices[:shards]), ("context",))
+    return attention(q, k, v, mesh=mesh, axis="context", **kwargs)
+
+  sharded.__name__ = sharded.__qualname__ = f"on_{shards}_devices"
+  sharded.ua_unsupported = ()
+  sharded.ua_seq_len_multiple = 2 * shards
+  # The kernels' smallest tile: the suite draws lengths and windows around its
+  # edges (a window then crosses the T / 2P chunks' boundaries at several places).
+  sharded.ua_block_sizes = (16,)
+  sharded.ua_dtypes = tuple(jnp.dtype(d).name for d in SUPPORTED_DTYPES)
+  return sharded
 
 
-def _with_z_loss_fwd(lse, weight):
-  return lse, lse
-
-
-def _with_z_loss_bwd(weight, lse, g):
-  return (g + weight * jnp.where(jnp.isfinite(lse), lse, 0.0),)
-
-
-_with_z_loss.defvjp(_with_z_loss_fwd, _with_z_loss_bwd)
+on_2_devices = _on_devices(2)
+on_4_devices = _on_devices(4)

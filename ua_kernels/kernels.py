@@ -41,21 +41,30 @@ def _segment_span(span_ref, start, size):
   return (jnp.min(tile(0)), jnp.max(tile(1))), (jnp.max(tile(2)), jnp.min(tile(3)))
 
 
+def _offset(offset_ref):
+  """How far the queries' positions lie after the keys' (tile_math.visible_mask's delta),
+  from its [1, 16] int32 block (a row of one value: Triton loads no scalars),
+  or None: keys and queries of one sequence."""
+  return None if offset_ref is None else jnp.max(offset_ref[...])
+
+
 class _QueryTile(NamedTuple):
-  """The query tile a forward or dq program owns, loaded once."""
+  """The query tile a forward or dq program owns, loaded once; ``offset`` as
+  _offset gives it."""
 
   start: jax.Array
   q: jax.Array
   pos: jax.Array
   seg: jax.Array | None
   temp: jax.Array | None
+  offset: jax.Array | None
 
 
-def _query_tile(q_ref, seg_ref, temp_ref, block_q) -> _QueryTile:
+def _query_tile(q_ref, seg_ref, temp_ref, offset_ref, block_q) -> _QueryTile:
   start = pl.program_id(0) * block_q
   return _QueryTile(start, q_ref[...], positions(start, block_q),
                     _segment_tile(seg_ref, start, block_q),
-                    None if temp_ref is None else temp_ref[...])
+                    None if temp_ref is None else temp_ref[...], _offset(offset_ref))
 
 
 def _key_tile(spec, qt: _QueryTile, k_ref, seg_ref, kv_block, block_kv, padded, fast_cap,
@@ -70,7 +79,7 @@ def _key_tile(spec, qt: _QueryTile, k_ref, seg_ref, kv_block, block_kv, padded, 
     mask = visible_mask(spec, qt.pos, positions(k_start, block_kv),
                         qt.seg if by_segment else None,
                         _segment_tile(seg_ref, k_start, block_kv) if by_segment else None,
-                        padded=padded)
+                        padded=padded, delta=qt.offset)
   return k, tile_logits(spec, qt.q, k, qt.temp, mask, fast_cap)
 
 
@@ -78,21 +87,24 @@ def _value_tile(v_ref, kv_block, block_kv):
   return v_ref[pl.ds(kv_block * block_kv, block_kv), :]
 
 
-def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, o_ref, lse2_ref,
-                   lse2_low_ref=None, *, spec: StaticSpec, block_q: int, block_kv: int,
-                   padded: bool, fast_cap: bool):
+def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset_ref,
+                   o_ref, lse2_ref, lse2_low_ref=None, *, spec: StaticSpec, block_q: int,
+                   block_kv: int, padded: bool, fast_cap: bool):
   """One query tile of one head: o = softmax(logits) @ v, base-2 lse per row
-  (and, given ``lse2_low_ref``, what rounding it lost: SoftmaxState.finalize)."""
-  qt = _query_tile(q_ref, seg_ref, temp_ref, block_q)
+  (and, given ``lse2_low_ref``, what rounding it lost: SoftmaxState.finalize).
+  ``kseg_ref``: the keys' own segment ids, ``offset_ref``: _offset's block,
+  where the keys are another block of the sequence (None: the queries')."""
+  qt = _query_tile(q_ref, seg_ref, temp_ref, offset_ref, block_q)
+  key_seg_ref = seg_ref if kseg_ref is None else kseg_ref
   shift = fixed_shift(spec, q_ref.dtype, temp_ref is not None)
 
   def body(kv_block, state, masked):
-    _, logits = _key_tile(spec, qt, k_ref, seg_ref, kv_block, block_kv, padded, fast_cap,
+    _, logits = _key_tile(spec, qt, k_ref, key_seg_ref, kv_block, block_kv, padded, fast_cap,
                           masked)
     return state.update(logits, _value_tile(v_ref, kv_block, block_kv), shift)
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
-                   *_segment_span(span_ref, qt.start, block_q))
+                   *_segment_span(span_ref, qt.start, block_q), delta=qt.offset)
   state = tile_loop(tiles, body, SoftmaxState.init(block_q, qt.q.shape[-1], shift))
   if lse2_low_ref is None:
     out, lse2 = state.finalize()
@@ -102,18 +114,20 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, o_ref, lse2
   lse2_ref[...] = lse2
 
 
-def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref,
-              lse2_low_ref, delta_ref, dq_ref, *, spec: StaticSpec, block_q: int,
+def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset_ref, do_ref,
+              lse2_ref, lse2_low_ref, delta_ref, dq_ref, *, spec: StaticSpec, block_q: int,
               block_kv: int, padded: bool, fast_cap: bool):
-  """dq of one query tile of one head, streaming key tiles."""
-  qt = _query_tile(q_ref, seg_ref, temp_ref, block_q)
+  """dq of one query tile of one head, streaming key tiles (kseg_ref,
+  offset_ref: forward_kernel's)."""
+  qt = _query_tile(q_ref, seg_ref, temp_ref, offset_ref, block_q)
+  key_seg_ref = seg_ref if kseg_ref is None else kseg_ref
   do = do_ref[...]
   lse2 = lse2_ref[...]
   lse2_low = None if lse2_low_ref is None else lse2_low_ref[...]
   delta = delta_ref[...]
 
   def body(kv_block, dq, masked):
-    k, logits = _key_tile(spec, qt, k_ref, seg_ref, kv_block, block_kv, padded, fast_cap,
+    k, logits = _key_tile(spec, qt, k_ref, key_seg_ref, kv_block, block_kv, padded, fast_cap,
                           masked)
     p = probabilities(logits, lse2, lse2_low)
     dp = dot(do, _value_tile(v_ref, kv_block, block_kv), trans_b=True)
@@ -123,14 +137,15 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref
     return dq + scaled_back(term, back)
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
-                   *_segment_span(span_ref, qt.start, block_q))
+                   *_segment_span(span_ref, qt.start, block_q), delta=qt.offset)
   dq = tile_loop(tiles, body, jnp.zeros(qt.q.shape, jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_ref,
-               lse2_low_ref, delta_ref, dk_ref, dv_ref, *, spec: StaticSpec, block_q: int,
-               block_kv: int, padded: bool, fast_cap: bool, per_head_totals: bool):
+def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset_ref, do_ref,
+               lse2_ref, lse2_low_ref, delta_ref, dk_ref, dv_ref, *, spec: StaticSpec,
+               block_q: int, block_kv: int, padded: bool, fast_cap: bool,
+               per_head_totals: bool):
   """dk, dv of one key tile of one kv head, summed over its query-head group.
 
   q/do refs hold the G query heads of the group ([T, G, D]); lse2/lse2_low/
@@ -151,9 +166,10 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
   k = k_ref[...]
   v = v_ref[...]
   k_pos = positions(k_start, block_kv)
-  k_seg = _segment_tile(seg_ref, k_start, block_kv)
+  k_seg = _segment_tile(seg_ref if kseg_ref is None else kseg_ref, k_start, block_kv)
+  offset = _offset(offset_ref)
   tiles = q_tiles(spec, k_start, block_q, block_kv, padded,
-                  *_segment_span(span_ref, k_start, block_kv))
+                  *_segment_span(span_ref, k_start, block_kv), delta=offset)
 
   def add_head_tile(g, q_block, carry, masked):
     """Adds head g's terms of query tile q_block to (dk, dv)."""
@@ -171,7 +187,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, do_ref, lse2_re
       by_segment = masked is TileMask.FULL
       mask = visible_mask(spec, positions(q_start, block_q), k_pos,
                           _segment_tile(seg_ref, q_start, block_q) if by_segment else None,
-                          k_seg if by_segment else None, padded=padded)
+                          k_seg if by_segment else None, padded=padded, delta=offset)
     logits = tile_logits(spec, q, k, temp, mask, fast_cap)
     p = probabilities(logits, lse2, lse2_low)
     dv = dv + gradient_product(p.astype(do.dtype), do, trans_a=True)

@@ -82,14 +82,16 @@ def _tile_grid(x, shape, axis):
 
 
 def visible_mask(spec: StaticSpec, q_pos, k_pos, q_seg, k_seg, *, padded: bool,
-                 query_axis: int = 0):
+                 query_axis: int = 0, delta=None):
   """bool tile: key j visible to query i; None if all visible.
 
   Positions and segment ids come as vectors or as whole tiles. The tile holds
   queries along ``query_axis`` ([block_q, block_kv] for 0; the dk/dv kernel of
   the Mosaic backend scores keys against queries, [block_kv, block_q], for 1).
   ``padded`` says the sequence was padded to a block multiple, so positions
-  >= seq_len (queries and keys) are hidden too.
+  >= seq_len (queries and keys) are hidden too. ``delta`` (an int32 scalar,
+  or None for 0): the queries' positions lie ``delta`` after the keys' (a key
+  block of another shard, context_parallel), for causality and the window.
   """
   key_axis = 1 - query_axis
   if q_pos.ndim == 2:
@@ -106,6 +108,8 @@ def visible_mask(spec: StaticSpec, q_pos, k_pos, q_seg, k_seg, *, padded: bool,
     conditions.append((q_pos < spec.seq_len) & (k_pos < spec.seq_len))
   if q_seg is not None:
     conditions.append(_tile_grid(q_seg, shape, query_axis) == _tile_grid(k_seg, shape, key_axis))
+  if delta is not None:
+    k_pos = k_pos - delta
   if spec.causal:
     conditions.append(k_pos <= q_pos)
   if spec.window_len > 0:
@@ -404,12 +408,16 @@ def _split(lo, hi, band_lo, band_hi, uniform, block: int, interior: bool,
 
 
 def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool, span=None,
-             uniform=None) -> Tiles:
+             uniform=None, delta=None) -> Tiles:
   """The key tiles a query tile visits (Tiles). ``span``: the positions
   [lo, hi) that share a segment with some query of the tile (segment ids);
   ``uniform``: the positions [lo, hi) of one run of one segment id that holds
   every query of the tile (empty when the tile holds two runs), so that key
-  tiles inside it need no segment mask (segment_spans.segment_runs)."""
+  tiles inside it need no segment mask (segment_spans.segment_runs);
+  ``delta``: as visible_mask's (the tile's queries sit at q_start + delta in
+  the keys' positions; bounds that come out negative leave their loops empty)."""
+  if delta is not None:
+    q_start = q_start + delta
   lo, hi = _within_span(*kv_block_range(spec, q_start, block_q, block_kv), span, block_kv)
   band_lo, band_hi = lo, hi
   if spec.window_len > 0:  # first key of the tile within every query's window
@@ -421,9 +429,14 @@ def kv_tiles(spec: StaticSpec, q_start, block_q, block_kv, padded: bool, span=No
 
 
 def q_tiles(spec: StaticSpec, k_start, block_q, block_kv, padded: bool, span=None,
-            uniform=None) -> Tiles:
+            uniform=None, delta=None) -> Tiles:
   """The query tiles that a key tile visits (Tiles); see kv_tiles."""
-  lo, hi = _within_span(*q_block_range(spec, k_start, block_q, block_kv), span, block_q)
+  if delta is not None:
+    k_start = k_start - delta
+  lo, hi = q_block_range(spec, k_start, block_q, block_kv)
+  if delta is not None:  # a key tile before the first query: lax.div rounds toward zero
+    lo = jnp.maximum(lo, 0)
+  lo, hi = _within_span(lo, hi, span, block_q)
   band_lo, band_hi = lo, hi
   if spec.causal:  # first query of the tile >= last key of the tile
     band_lo = _ceil_div(k_start + block_kv - 1, block_q)

@@ -26,7 +26,10 @@ MAX_LOGITS = 1 << 26
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _with_z_loss_gradient(lse, weight):
+def with_z_loss_gradient(lse, weight):
+  """lse, whose backward adds ``weight * lse`` to its cotangent: the z-loss
+  gradient of the contract (the gradient of weight * lse^2 / 2), entering where
+  the lse does (rows without a key, lse = -inf, get none)."""
   return lse
 
 
@@ -38,7 +41,7 @@ def _with_z_loss_bwd(weight, lse, g):
   return (g + weight * jnp.where(jnp.isfinite(lse), lse, 0.0),)
 
 
-_with_z_loss_gradient.defvjp(_with_z_loss_fwd, _with_z_loss_bwd)
+with_z_loss_gradient.defvjp(_with_z_loss_fwd, _with_z_loss_bwd)
 
 
 def _visible(i, j, seg_i, seg_j, causal, window_len):
@@ -87,7 +90,7 @@ def _query_rows(spec: StaticSpec, q, k, v, pos, seg_q, seg_k, temp):
   lse = jnp.where(has_key, jnp.log(jnp.where(has_key, total, 1.0)) + row_max[..., 0],
                   -jnp.inf)
   if spec.z_loss_weight:
-    lse = _with_z_loss_gradient(lse, spec.z_loss_weight)
+    lse = with_z_loss_gradient(lse, spec.z_loss_weight)
   safe_lse = jnp.where(has_key, lse, 0.0)
   probs = jnp.where(mask, jnp.exp(jnp.where(mask, logits - safe_lse[..., None], 0.0)), 0.0)
   out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=jax.lax.Precision.HIGHEST)
