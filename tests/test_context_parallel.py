@@ -2,8 +2,9 @@
 devices: the sharded op against the single-device kernels, outputs and every
 gradient, for 2 shards (not causal) and 4 (causal: the zig-zag layout's full,
 diagonal and hidden pairs), with windows that cross shard boundaries, documents
-that span shards, GQA, temperature, a cap, the z-loss and lse; and clear errors
-for bad input.
+that span shards, GQA, temperature, a cap, the z-loss and lse; the suite's
+focused mask tests over 2 shards (the causal one through the dispatched kernels'
+pairs, without key blocks); and clear errors for bad input.
 
 The sharded runs need several devices, which a process fixes when jax starts
 (``--xla_force_host_platform_device_count``): they run in a subprocess."""
@@ -40,8 +41,7 @@ SCRIPT = textwrap.dedent("""
     # Documents of 5 to 23 tokens: most cross a shard boundary (chunks of 8 or 16).
     seg = jnp.asarray(np.cumsum(rng.random(T) < 0.1)[None], jnp.int32)
     f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
-    for shards, causal, window, with_seg in ((2, False, 12, True), (4, True, 0, False),
-                                            (4, True, 12, True)):
+    for shards, causal, window, with_seg in ((2, False, 12, True), (4, True, 12, True)):
       mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
       kw = dict(causal=causal, window_len=window, segment_ids=seg if with_seg else None,
                 cap_method="tanh", cap_params=(3.0,), temperature=temp, z_loss_weight=0.1,
@@ -70,7 +70,7 @@ def test_sharded_matches_the_single_device_call():
                         timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [line.split() for line in proc.stdout.splitlines()]
-  assert len(rows) == 15, proc.stdout
+  assert len(rows) == 10, proc.stdout
   worst = {(config, name): float(err) for config, name, err in rows}
   assert all(err < BOUND for err in worst.values()), worst
 
