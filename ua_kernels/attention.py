@@ -139,7 +139,7 @@ def _key_block_inputs(keys: "KeyBlock | None", seq_pad: int):
     return (None, None), (None, None)
   kseg = None if keys.segment_ids is None else _pad(keys.segment_ids, {1: seq_pad})
   offset = jnp.broadcast_to(jnp.asarray(keys.offset, jnp.int32), (1, 16))
-  kseg_spec = None if kseg is None else pl.BlockSpec((None, seq_pad), lambda i, bi, h: (bi, 0))
+  kseg_spec, _ = _segment_specs(kseg, None, seq_pad)  # the queries' ids' spec
   return (kseg, offset), (kseg_spec, _OFFSET_SPEC)
 
 

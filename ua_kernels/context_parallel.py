@@ -60,7 +60,7 @@ def attention(q, k, v, *, mesh: Mesh, axis: str, segment_ids=None, causal=False,
   window = spec.window_len if spec.window_len < t else 0  # validate clamps it to T
   common = dict(cap_method=cap_method, cap_params=tuple(cap_params), sm_scale=spec.sm_scale,
                 config=config)
-  plain = functools.partial(_attention, causal=False, return_lse=True, **common)
+  plain = functools.partial(_attention, return_lse=True, **common)
   block = functools.partial(attention_block, causal=causal, window_len=window, **common)
   ring = functools.partial(_ring, plain=plain, block=block, axis=axis, shards=shards,
                            causal=causal, by_block=bool(window) or segment_ids is not None,
@@ -132,28 +132,28 @@ def _ring(q, k, v, extras, *, plain, block, axis, shards, causal, by_block, z_lo
   return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
 
 
+def _empty_part(q, v):
+  """The part of a pair that sees no key: out 0 (float32), lse -inf."""
+  b, c, h, _ = q.shape
+  return (jnp.zeros(q.shape[:3] + (v.shape[3],), jnp.float32),
+          jnp.full((b, h, c), -jnp.inf, jnp.float32))
+
+
 def _pair(call, q, k, v, temperature, q_id, k_id, causal):
   """(out float32 [B, c, H, D], lse [B, H, c]) of query chunk q_id against key
   chunk k_id: every key visible, or (causal) the diagonal's causal call, or
-  none (an empty part: zeros and lse -inf, no kernel)."""
-  def full(q, k, v, temperature):
-    out, lse = call(q, k, v, temperature=temperature)
-    return out.astype(jnp.float32), lse
+  none (_empty_part, no kernel)."""
+  def part(causal):
+    def run(q, k, v, temperature):
+      out, lse = call(q, k, v, temperature=temperature, causal=causal)
+      return out.astype(jnp.float32), lse
+    return run
 
   if not causal:
-    return full(q, k, v, temperature)
-
-  def diagonal(q, k, v, temperature):
-    out, lse = call(q, k, v, temperature=temperature, causal=True)
-    return out.astype(jnp.float32), lse
-
-  def hidden(q, k, v, temperature):
-    b, c, h, _ = q.shape
-    return (jnp.zeros(q.shape[:3] + (v.shape[3],), jnp.float32),
-            jnp.full((b, h, c), -jnp.inf, jnp.float32))
-
+    return part(False)(q, k, v, temperature)
   kind = jnp.where(k_id < q_id, 0, jnp.where(k_id == q_id, 1, 2))
-  return lax.switch(kind, (full, diagonal, hidden), q, k, v, temperature)
+  hidden = lambda q, k, v, temperature: _empty_part(q, v)
+  return lax.switch(kind, (part(False), part(True), hidden), q, k, v, temperature)
 
 
 def _block_pair(block, q, k, v, temperature, seg, kv_seg, offset, hidden):
@@ -166,9 +166,7 @@ def _block_pair(block, q, k, v, temperature, seg, kv_seg, offset, hidden):
     return out.astype(jnp.float32), lse
 
   def skip(q, k, v, temperature, seg, kv_seg, offset):
-    b, c, h, _ = q.shape
-    return (jnp.zeros(q.shape[:3] + (v.shape[3],), jnp.float32),
-            jnp.full((b, h, c), -jnp.inf, jnp.float32))
+    return _empty_part(q, v)
 
   return lax.cond(hidden, skip, run, q, k, v, temperature, seg, kv_seg, offset)
 
@@ -215,7 +213,6 @@ def _on_devices(shards: int):
     return attention(q, k, v, mesh=mesh, axis="context", **kwargs)
 
   sharded.__name__ = sharded.__qualname__ = f"on_{shards}_devices"
-  sharded.ua_unsupported = ()
   sharded.ua_seq_len_multiple = 2 * shards
   # The kernels' smallest tile: the suite draws lengths and windows around its
   # edges (a window then crosses the T / 2P chunks' boundaries at several places).
