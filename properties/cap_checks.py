@@ -26,11 +26,8 @@ from hypothesis import strategies as st
 from ua_reference.caps import CAP_METHODS, CapMethod
 
 from .runner import x64
+from .tolerance import FORM_TOLERANCE
 
-# Max |form - exact| allowed beyond the exact form's own float32 error, relative
-# to the largest cap parameter (forward) or absolute (derivative, within [0, 1]):
-# float16's rounding, 2^-11, with a factor 2 for the derivative's 2t * dt.
-FORM_TOLERANCE = 2.0 ** -10
 
 
 class CapCheckFailure(AssertionError):

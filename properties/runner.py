@@ -30,7 +30,7 @@ import ua_reference
 from .capabilities import Implementation, declare
 from .case import Case
 from .inputs import make_inputs
-from .tolerance import OUTPUTS, OutputError, compare, floors, reference_error
+from .tolerance import OUTPUTS, OutputError, compare, element_tolerance, floors
 
 REFERENCE = declare("ua_reference:attention", ua_reference.attention)
 # Per-compile options of the oracle and the reference (not of the implementation).
@@ -224,12 +224,19 @@ def prepare(impl: Implementation, case: Case) -> None:
 
 
 def baseline(case: Case):
-  """Oracle results, and per output (the reference's error, the floor).
+  """Oracle results, and per output (the reference's error, the tolerance of
+  every element).
 
   Raises HarnessError when either cannot be computed.
   """
-  oracle, _, bounds = _harness(case)
+  oracle, _, bounds, _ = _harness(case)
   return oracle, bounds
+
+
+def floors_of(case: Case) -> dict:
+  """The per-element floors of the case's outputs (tolerance.floors), before
+  the reference's factor."""
+  return _harness(case)[3]
 
 
 def reference_result(case: Case) -> dict:
@@ -240,19 +247,19 @@ def reference_result(case: Case) -> dict:
 
 @functools.lru_cache(maxsize=4)  # float64 results of T=16k cases are GiBs
 def _harness(case: Case):
-  """(oracle, same-precision reference, bounds) of baseline."""
+  """(oracle, same-precision reference, bounds, floors) of baseline."""
   inputs = make_inputs(case)
   try:
     with x64(True):
       oracle, lse = _reference(case, inputs, float64=True)
       ref, _ = _reference(case, inputs, float64=False)
+      floor = floors(case, inputs, oracle, lse)
   except Exception as exc:  # noqa: BLE001 -- whatever it is, it is the harness's
-    raise HarnessError(f"the oracle/reference failed on this case: "
+    raise HarnessError(f"the oracle/reference/floors failed on this case: "
                        f"{type(exc).__name__}: {str(exc)[:2000]}") from exc
-  floor = floors(case, inputs, oracle, float(np.max(np.abs(lse[np.isfinite(lse)]), initial=0.0)))
-  bounds = {name: (reference_error(ref[name], oracle[name]), floor[name])
+  bounds = {name: element_tolerance(name, ref[name], oracle[name], floor[name])
             for name in OUTPUTS if oracle.get(name) is not None}
-  return oracle, ref, bounds
+  return oracle, ref, bounds, floor
 
 
 def score(case: Case, result: dict, *, slack: float = 1.0, expected: dict | None = None,
@@ -268,6 +275,6 @@ def score(case: Case, result: dict, *, slack: float = 1.0, expected: dict | None
   for name in outputs:
     if result.get(name) is None or expected.get(name) is None or name not in bounds:
       continue
-    ref_err, floor = bounds[name]
-    errors.append(compare(name, result[name], expected[name], ref_err, floor, slack=slack))
+    ref_err, tol = bounds[name]
+    errors.append(compare(name, result[name], expected[name], ref_err, tol, slack=slack))
   return errors

@@ -1,21 +1,23 @@
 """Tolerance model: how close an implementation must be to the float64 oracle.
 
-For each output X in (out, lse, dq, dk, dv) of a case:
-    err_impl = max |X_impl - X_oracle|      err_ref = max |X_ref - X_oracle|
+For each element e of each output X in (out, lse, dq, dk, dv) of a case:
+    err_impl[e] = |X_impl[e] - X_oracle[e]|      err_ref = max |X_ref - X_oracle|
 where X_oracle is ua_reference in float64 and X_ref is ua_reference run on the
 same-precision inputs (its natural precision for that dtype). The case passes iff
-    err_impl <= ALPHA[X] * err_ref + floor[X],
-floor[X] = FLOOR[dtype] * max(max |X_oracle|, a bound on the terms summed into
-X), plus for lse 4 float32 ulps of the logits' products (logit_terms), and for
-gradients LOGIT_EPS * max |lse| * terms: gradients can cancel
-to ~0 (T = 1 gives dq = dk = 0 exactly) while a kernel still rounds terms of
-size |dO||V|, and a kernel that recomputes logits in the backward sees them
-one ulp away from the forward's, which a reference computing them once does not.
-ALPHA scales with how much more rounding a fused kernel does than the reference
-(16-bit probabilities and ds tiles in the matmuls); FLOOR covers cases whose
-reference happens to round almost exactly. Both come from data: see
-scripts in properties/calibrate.py and docs/TOLERANCES.md. NaN/inf are checked
-separately and always fail (lse = -inf only where the oracle has -inf).
+    err_impl[e] <= floor[X][e] * (1 + ALPHA[X] * rho)   for every e,
+rho = max_e |X_ref[e] - X_oracle[e]| / floor[X][e] (the reference's error in
+units of the floor, element_tolerance), and
+floor[X][e] = FLOOR[dtype] * max(|X_oracle[e]|, the sum of the absolute values of
+the terms e sums) plus the logits' rounding carried through those sums
+(floors, properties.error_terms): an element whose terms cancel keeps their
+allowance, and every other element gets one of its own size. The logits' error
+counts one rounding of each logit and row lse (RECOMPUTE_EPS): a kernel that
+recomputes p in the backward sees them one ulp away from its forward's, which
+a reference computing p once does not. ALPHA scales with how much more rounding a fused kernel
+does than the reference (16-bit probabilities and ds tiles in the matmuls);
+FLOOR covers cases whose reference happens to round almost exactly. Both come
+from data: see properties/calibrate.py and docs/TOLERANCES.md. NaN/inf are
+checked separately and always fail (lse = -inf only where the oracle has -inf).
 """
 
 from __future__ import annotations
@@ -25,13 +27,31 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from . import error_terms
+
 OUTPUTS = ("out", "lse", "dq", "dk", "dv")
 
 # Calibrated in docs/TOLERANCES.md (properties/calibrate.py).
 ALPHA = {"out": 4.0, "lse": 4.0, "dq": 8.0, "dk": 8.0, "dv": 8.0}
 FLOOR = {"float32": 4 * 2.0 ** -23, "bfloat16": 2 * 2.0 ** -8, "float16": 2 * 2.0 ** -10,
          "float64": 4 * 2.0 ** -52}
-LOGIT_EPS = 2.0 ** -22
+# An absolute floor per element: what a float32 kernel that flushes subnormal
+# intermediates (below 2^-126) loses over up to 2^26 terms (and bfloat16 has
+# float32's range); float16 outputs, and its probabilities and ds tiles, are
+# rounded to its subnormal spacing, 2^-24, below its normal range. Without it a value of 1e-44 that float32 flushes to 0 is "off by 5000
+# floors" (docs/TOLERANCES.md, "Per-element floors").
+UNDERFLOW = {"float32": 2.0 ** -100, "bfloat16": 2.0 ** -100, "float16": 2.0 ** -24,
+             "float64": 2.0 ** -1000}
+# A logit recomputed in a backward, one float32 rounding of it (and of lse)
+# away from the forward's (docs/TOLERANCES.md: a row of one key at |z| = 254
+# had p = 1 +- 2e-5).
+RECOMPUTE_EPS = 2.0 ** -22
+# Max |form - exact| of an implementation's own cap form beyond the exact form's
+# float32 error, relative to the largest cap parameter (forward) or absolute
+# (derivative, within [0, 1]): float16's rounding, 2^-11, with a factor 2 for
+# the derivative's 2t * dt. properties/cap_checks.py holds declared forms to it;
+# the floors of 16-bit capped cases allow it to any implementation.
+FORM_TOLERANCE = 2.0 ** -10
 
 
 @dataclasses.dataclass
@@ -44,14 +64,18 @@ class OutputError:
   inf_mismatch: int
   worst_index: tuple[int, ...]
   bias: dict | None = None  # bias.BiasStats of the signed errors, where measured against the oracle
+  # The error at worst_index, the element of the largest error/tolerance, whose
+  # tolerance ``tolerance`` is (None: max_abs_err, for one tolerance for all).
+  error: float | None = None
 
   @property
   def ratio(self) -> float:
     if self.nan_count or self.inf_mismatch:
       return float("inf")
+    error = self.max_abs_err if self.error is None else self.error
     if self.tolerance == 0:
-      return 0.0 if self.max_abs_err == 0 else float("inf")
-    return self.max_abs_err / self.tolerance
+      return 0.0 if error == 0 else float("inf")
+    return error / self.tolerance
 
   @property
   def ok(self) -> bool:
@@ -68,80 +92,62 @@ def _as64(x):
   return np.asarray(np.asarray(x).astype(np.float64))
 
 
-def tolerance(name: str, ref_err: float, floor: float) -> float:
-  return ALPHA[name] * ref_err + floor
+def element_tolerance(name: str, ref, oracle, floor) -> tuple[float, np.ndarray]:
+  """(err_ref, the tolerance of every element): ``floor * (1 + ALPHA * rho)``,
+  rho the same-precision reference's largest error in units of the floor
+  (over elements with a floor), so that every element is allowed ALPHA times
+  what the reference needed at its worst, in its own units; plus ALPHA times
+  the reference's error where the floor is 0 (no terms: nothing to round)."""
+  ref, oracle, floor = _as64(ref), _as64(oracle), _as64(floor)
+  finite = np.isfinite(oracle) & np.isfinite(ref)
+  err = np.where(finite, np.abs(ref - oracle), 0.0)
+  floor = np.broadcast_to(floor, err.shape)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    rho = float(np.max(np.where(floor > 0, err / floor, 0.0), initial=0.0))
+  unfloored = float(np.max(np.where(floor > 0, 0.0, err), initial=0.0))
+  return float(np.max(err, initial=0.0)), floor * (1.0 + ALPHA[name] * rho) + \
+      ALPHA[name] * unfloored
 
 
-def _absmax(x) -> float:
-  x = _as64(x)
-  return float(np.max(np.abs(np.where(np.isfinite(x), x, 0.0)), initial=0.0))
+def floors(case, inputs: dict, oracle: dict, lse) -> dict[str, np.ndarray]:
+  """Absolute rounding floor of every element of every output (the module doc;
+  docs/TOLERANCES.md, "Per-element floors").
 
-
-def floors(case, inputs: dict, oracle: dict, lse_max: float) -> dict[str, float]:
-  """Absolute rounding floor per output (see the module doc and TOLERANCES.md).
-
-  ``terms``: bounds on the terms each output sums; ds = p * (dp - delta) *
-  temperature * cap' * sm_scale with |cap'| <= 1, dp = dO.V bounded by row
-  norms, delta holding dlse and w * lse. Gradients also get LOGIT_EPS * lse_max
-  (max |lse| of the oracle): the backward recomputes the logits that matter
-  (those within a few units of their row's lse), and a one-ulp difference from
-  the forward's makes p off by that relative amount.
+  out, dq, dk, dv: FLOOR[dtype] times the larger of the element's oracle value
+  and the sum of the absolute values of its terms (properties.error_terms),
+  plus the logits' own rounding carried through the same sums, plus
+  UNDERFLOW[dtype]. lse: 4 float32
+  ulps of max(|lse|, 1), one rounding of the input dtype (a kernel may sum its
+  rounded probabilities into the row sum), and the logits' rounding. ``lse``: the oracle's [B, Hq, T] lse.
   """
-  dlse = _absmax(inputs["dlse"]) if case.return_lse else 0.0
-  dp = _row_norm(inputs["dout"]) * _row_norm(inputs["v"])
-  ds = _logit_scale(case, inputs) * (2 * dp + dlse + case.z_loss_weight * lse_max)
-  terms = {"out": _absmax(inputs["v"]), "lse": 1.0, "dv": _absmax(inputs["dout"]),
-           "dq": ds * _absmax(inputs["k"]), "dk": ds * _absmax(inputs["q"])}
+  lse = _as64(lse)
+  rounding = error_terms.Rounding(
+      logit=FLOOR["float32"], recompute=RECOMPUTE_EPS,
+      form=FORM_TOLERANCE if case.dtype in ("bfloat16", "float16")
+      and case.cap_method != "none" else 0.0,
+      subnormal=UNDERFLOW["float16"] if case.dtype == "float16" else 0.0)
+  sums, logit = error_terms.element_terms(case, inputs, lse, rounding)
   out = {}
-  for name, term in terms.items():
+  for name, term in sums.items():
     if oracle.get(name) is None:
       continue
-    scale = max(_absmax(oracle[name]), term)
-    recompute = LOGIT_EPS * lse_max * term if name in ("dq", "dk", "dv") else 0.0
-    out[name] = FLOOR[case.dtype] * scale + recompute
-  if "lse" in out:
-    out["lse"] += FLOOR["float32"] * logit_terms(case, inputs)
+    scale = np.maximum(np.abs(_as64(oracle[name])), term)
+    out[name] = FLOOR[case.dtype] * scale + logit[name] + UNDERFLOW[case.dtype]
+  if oracle.get("lse") is not None:
+    finite = np.where(np.isfinite(lse), np.abs(lse), 0.0)
+    out["lse"] = FLOOR["float32"] * np.maximum(finite, 1.0) + FLOOR[case.dtype] + logit["lse"]
   return out
 
 
-def logit_terms(case, inputs: dict) -> float:
-  """A bound on the sum of |products| behind one logit, |temperature| * |sm_scale|
-  * sum_d |q_d k_d| <= |temperature| * |sm_scale| * max ||q_i|| * max ||k_j|| (a
-  cap's slope is at most 1). The logits are float32 dot products for every
-  input dtype, and their rounding error scales with this sum, not with the
-  logit: when the products cancel, a logit of 12 built of products near 100
-  is off by ulps of 100. lse moves by at most the logits' error; FLOOR["float32"]
-  (4 ulps) of this sum is below the probabilistic bound of a D-term dot,
-  sqrt(D) * u * sum |q_d k_d| (Higham & Mary 2019), for D >= 16.
-  docs/TOLERANCES.md, "lse floor"."""
-  return _logit_scale(case, inputs) * _row_norm(inputs["q"]) * _row_norm(inputs["k"])
-
-
-def _row_norm(x) -> float:
-  """The largest Euclidean norm of a row (the last axis) of x."""
-  return float(np.max(np.linalg.norm(_as64(x), axis=-1), initial=0.0))
-
-
-def _logit_scale(case, inputs: dict) -> float:
-  """|temperature| * |sm_scale|: what multiplies q.k into a logit, at most."""
-  sm = abs(case.sm_scale if case.sm_scale is not None else case.head_dim ** -0.5)
-  temp = 1.0 if inputs["temperature"] is None else _absmax(inputs["temperature"])
-  return temp * sm
-
-
-def reference_error(ref, oracle) -> float:
-  """max |ref - oracle| over the oracle's finite entries."""
-  ref, oracle = _as64(ref), _as64(oracle)
-  finite = np.isfinite(oracle)
-  return float(np.max(np.where(finite & np.isfinite(ref), np.abs(ref - oracle), 0.0),
-                      initial=0.0))
-
-
-def compare(name: str, impl, expected, ref_err: float, floor: float, *,
+def compare(name: str, impl, expected, ref_err: float, tolerance, *,
             slack: float = 1.0, label: str | None = None) -> OutputError:
   """Scores one output against ``expected`` (the oracle, or for metamorphic
   properties another result of the same implementation, with ``slack`` 2 by
-  the triangle inequality). ``label`` names a slice of the output in reports.
+  the triangle inequality). ``tolerance``: a scalar or an array of the
+  output's shape (element_tolerance), times ``slack``; the verdict is the
+  largest error/tolerance over the elements, and the report names that
+  element. ``ref_err`` is reported. ``label`` names a slice of the output in
+  reports.
 
   A value beyond the output dtype's range rounds to inf: there, inf of the
   right sign is the correct answer (16-bit gradients overflow legitimately).
@@ -150,7 +156,7 @@ def compare(name: str, impl, expected, ref_err: float, floor: float, *,
   impl, expected = _as64(impl), _as64(expected)
   if impl.shape != expected.shape:
     raise AssertionError(f"{name}: shape {impl.shape} != expected {expected.shape}")
-  tol = slack * tolerance(name, ref_err, floor)
+  tol = np.broadcast_to(slack * _as64(tolerance), expected.shape)
   finite = np.isfinite(expected)
   overflow = finite & (np.abs(expected) + tol >= limit) & np.isinf(impl) & \
       (np.sign(impl) == np.sign(expected))
@@ -160,15 +166,21 @@ def compare(name: str, impl, expected, ref_err: float, floor: float, *,
   inf_mismatch = int((np.isinf(impl) & finite & ~overflow).sum()
                      + (~finite & ~np.isnan(impl) & (impl != expected)).sum())
   diff = np.where(finite & np.isfinite(impl), np.abs(impl - expected), 0.0)
-  worst = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.size else ()
-  return OutputError(label or name, float(np.max(diff, initial=0.0)), ref_err, tol,
-                     nan_count, inf_mismatch, tuple(int(i) for i in worst))
+  with np.errstate(divide="ignore", invalid="ignore"):
+    ratio = np.where(diff == 0, 0.0, diff / tol)
+  worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape) if ratio.size else ()
+  at_worst = (float(diff[worst]), float(tol[worst])) if ratio.size else (0.0, 0.0)
+  return OutputError(label or name, float(np.max(diff, initial=0.0)), ref_err, at_worst[1],
+                     nan_count, inf_mismatch, tuple(int(i) for i in worst), error=at_worst[0])
 
 
 def error_table(errors: list[OutputError]) -> str:
-  lines = [f"{'output':6} {'max_abs_err':>12} {'tolerance':>12} {'ratio':>9} "
+  """Per output: the error and the tolerance at the element of the largest
+  error/tolerance (worst index), their ratio, and the largest error anywhere."""
+  lines = [f"{'output':6} {'error':>12} {'tolerance':>12} {'ratio':>9} {'max_abs_err':>12} "
            f"{'NaN':>5} {'inf!':>5}  worst index"]
   for e in errors:
-    lines.append(f"{e.name:6} {e.max_abs_err:12.4e} {e.tolerance:12.4e} {e.ratio:9.3f} "
-                 f"{e.nan_count:5d} {e.inf_mismatch:5d}  {e.worst_index}")
+    error = e.max_abs_err if e.error is None else e.error
+    lines.append(f"{e.name:6} {error:12.4e} {e.tolerance:12.4e} {e.ratio:9.3f} "
+                 f"{e.max_abs_err:12.4e} {e.nan_count:5d} {e.inf_mismatch:5d}  {e.worst_index}")
   return "\n".join(lines)

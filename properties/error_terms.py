@@ -1,0 +1,225 @@
+"""Per-element rounding allowances: the absolute values each output element sums.
+
+A computed dot product is off by at most a few unit roundoffs times the sum of
+its terms' absolute values, ``u * sum |a_i b_i|`` (Higham, *Accuracy and
+Stability of Numerical Algorithms*, 2nd ed., section 3.1), not times the
+largest value of the output. The float64 oracle evaluates those sums for every
+element of every output, so that an element whose terms cancel keeps the
+allowance of its terms and every other element gets one of its own size
+(docs/TOLERANCES.md, "Per-element floors").
+
+For query row i, key j (p the oracle's probabilities, z the logits, t the
+temperature, s the softmax scale, c' the cap's derivative):
+
+- ``sums``: out ``sum_j p |v_j|``; dv ``sum_i p |dO_i|``; dq ``sum_j |ds| |k_j|``
+  and dk ``sum_i |ds| |q_i|`` with ``|ds| = p (|dp_ij - delta_i| + D_i) |s t c'|``:
+  ds as rounded to the input dtype, and the error of the row correction a
+  FlashAttention-style backward forms from its own (rounded) out,
+  ``D_i = sum_j p |dO_i|.|v_j| + |dlse_i| + w |lse_i|``;
+- ``logit``: the same sums with p weighted by the error of ``z - lse`` behind
+  it. For lse: the float32 dots of the logits, ``u32 (1 + |s t| ||q_i|| ||k_j||)``
+  per pair (the Cauchy-Schwarz bound the lse floor was measured to need,
+  docs/TOLERANCES.md), their p-weighted mean and |lse_i|. For the other
+  outputs: ``recompute (|z_ij| + |lse_i|)``, a logit and an lse one
+  rounding away from the forward's (a FlashAttention-style backward recomputes
+  p); their dots' rounding is the same-precision reference's too, and ALPHA
+  times its error covers it. Both with, for 16-bit inputs with a cap, a cap
+  form's own error (``form``, properties/cap_checks.py): ``form`` times
+  the largest cap parameter in the cap's value, ``form`` in its derivative
+  (``|ds|`` with ``|c'|`` replaced by it). dq and dk also with the float32 dot
+  ``dp = dO_i.v_j`` (``u32 (|dO_i|.|v_j| + D_i)``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ua_reference.contract import validate
+from ua_reference.reference import visible_keys
+
+@dataclasses.dataclass(frozen=True)
+class Rounding:
+  """The errors the logit terms count: ``logit`` the relative error of a
+  float32 dot (of its terms' sum); ``recompute`` of a logit recomputed in a
+  backward; ``form`` a cap form's (0 where none applies); ``subnormal`` the
+  absolute rounding of a probability or a ds below the input dtype's normal
+  range (float16: 2^-24; 0 where that range is float32's)."""
+
+  logit: float
+  recompute: float
+  form: float = 0.0
+  subnormal: float = 0.0
+
+
+# Largest [B, Hq, rows, T] block of pair terms computed at once (2^24 float64: 128 MiB,
+# about a dozen live at a time).
+TERMS_LOGITS = 1 << 24
+
+
+def spec_of(case, inputs):
+  """The contract's StaticSpec, segment ids and temperature of a case."""
+  return validate(
+      jnp.asarray(inputs["q"]), jnp.asarray(inputs["k"]), jnp.asarray(inputs["v"]),
+      segment_ids=inputs["segment_ids"], temperature=inputs["temperature"],
+      causal=case.causal, window_len=case.window_len, cap_method=case.cap_method,
+      cap_params=case.cap_params, sm_scale=case.sm_scale, z_loss_weight=case.z_loss_weight,
+      return_lse=case.return_lse)
+
+
+def element_terms(case, inputs: dict, lse, rounding: Rounding):
+  """({output: sums}, {output: logit terms}) as float64 numpy arrays of the
+  outputs' shapes (lse: only logit terms). ``lse``: the oracle's [B, Hq, T]
+  lse. Call under x64."""
+  spec, segment_ids, temperature = spec_of(case, inputs)
+  xp = np if jax.default_backend() == "cpu" else jnp
+  f64 = lambda x: xp.asarray(np.asarray(x, np.float64))
+  q, k, v, dout = (f64(inputs[n]) for n in ("q", "k", "v", "dout"))
+  g = spec.group_size
+  k, v = xp.repeat(k, g, axis=2), xp.repeat(v, g, axis=2)
+  b, t, hq, d = q.shape
+  dlse = f64(inputs["dlse"]) if case.return_lse else xp.zeros((b, hq, t))
+  temp = xp.ones((b, t, hq)) if temperature is None else \
+      xp.broadcast_to(f64(temperature), (b, t, hq))
+  seg = None if segment_ids is None else np.asarray(segment_ids)
+  rows = max(1, min(t, TERMS_LOGITS // (b * hq * t)))
+  blocks = -(-t // rows)
+  pad = blocks * rows - t
+  on_t = lambda x, axis, value=0.0: xp.pad(
+      x, [(0, pad if i == axis else 0) for i in range(x.ndim)], constant_values=value)
+  # Padded query rows get lse = +inf: probabilities 0, no terms.
+  q, dout, temp = on_t(q, 1), on_t(dout, 1), on_t(temp, 1)
+  lse, dlse = on_t(f64(lse), 2, np.inf), on_t(dlse, 2)
+  block = _block_fn(spec, t, rows, rounding)
+  row_parts = collections.defaultdict(list)
+  key_sums = {}
+  for i in range(blocks):
+    sl = slice(i * rows, (i + 1) * rows)
+    r = block(q[:, sl], dout[:, sl], temp[:, sl], lse[..., sl], dlse[..., sl],
+              np.arange(i * rows, (i + 1) * rows), seg, k, v)
+    for name, x in r.items():
+      if name.startswith(("dk", "dv")):
+        key_sums[name] = x if name not in key_sums else key_sums[name] + x
+      else:
+        row_parts[name].append(np.asarray(x))
+  rows_of = lambda name, axis=1: np.take(np.concatenate(row_parts[name], axis=axis),
+                                         np.arange(t), axis=axis)
+  group = lambda name: np.asarray(key_sums[name]).reshape(b, t, hq // g, g, d).sum(axis=3)
+  sums = {"out": rows_of("out_sum"), "dq": rows_of("dq_sum"),
+          "dk": group("dk_sum"), "dv": group("dv_sum")}
+  logit = {"out": rows_of("out_logit"), "dq": rows_of("dq_logit"),
+           "lse": rows_of("lse_logit", axis=2), "dk": group("dk_logit"), "dv": group("dv_logit")}
+  return sums, logit
+
+
+def _block_fn(spec, seq_len: int, rows: int, rounding: Rounding):
+  """The terms of ``rows`` query rows against every key: numpy on a CPU backend
+  (the ci profile's many small configurations would each pay an XLA compile of
+  about a second, the cost of a case), jitted where the long ones run."""
+  if jax.default_backend() == "cpu":
+    return functools.partial(_terms, spec, seq_len, rounding, np)
+  return _jitted(spec, seq_len, rows, rounding)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted(spec, seq_len: int, rows: int, rounding: Rounding):
+  del rows  # part of the key: one compile per block shape
+  return jax.jit(functools.partial(_terms, spec, seq_len, rounding, jnp))
+
+
+def _bucket(n: int) -> int:
+  return max(256, 1 << (n - 1).bit_length())
+
+
+def _bucketed(fn, x):
+  """numpy ``fn(x)`` of an elementwise jnp function, evaluated on x padded to a
+  power-of-two length: jax compiles an op per shape, and every case has its own."""
+  flat = x.reshape(-1)
+  padded = np.pad(flat, (0, _bucket(flat.size) - flat.size))
+  return np.asarray(fn(jnp.asarray(padded)))[:flat.size].reshape(x.shape)
+
+
+def _bucketed_mask(spec, seq_len, seg, pos):
+  """The contract's visible_keys of the query rows ``pos`` as numpy, computed
+  at power-of-two position counts (padding positions repeat the last one)."""
+  queries = np.minimum(np.arange(_bucket(len(pos))), len(pos) - 1)
+  keys = np.minimum(np.arange(_bucket(seq_len)), seq_len - 1)
+  mask = visible_keys(seq_len, seg, spec.causal, spec.window_len,
+                      queries=np.asarray(pos)[queries], keys=keys)
+  return np.asarray(mask)[:, :len(pos), :seq_len]
+
+
+def _pairs(xp, a, b):
+  """[B, Hq, rows, T] of a [B, rows, Hq, D] . b [B, T, Hq, D] over D."""
+  return xp.matmul(xp.transpose(a, (0, 2, 1, 3)), xp.transpose(b, (0, 2, 3, 1)))
+
+
+def _rows(xp, w, b):
+  """[B, rows, Hq, D] of w [B, Hq, rows, T] times b [B, T, Hq, D] summed over T."""
+  return xp.transpose(xp.matmul(w, xp.transpose(b, (0, 2, 1, 3))), (0, 2, 1, 3))
+
+
+def _keys(xp, w, a):
+  """[B, T, Hq, D] of w [B, Hq, rows, T] times a [B, rows, Hq, D] summed over rows."""
+  return xp.transpose(xp.matmul(xp.swapaxes(w, -1, -2), xp.transpose(a, (0, 2, 1, 3))),
+                      (0, 2, 1, 3))
+
+
+def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
+           dlse_r, pos, seg, k, v):
+  """error_terms' pair sums for one block of query rows, in ``xp`` (numpy, or
+  jax.numpy under jit); the cap and the mask are the contract's jnp functions."""
+  temp = xp.transpose(temp_r, (0, 2, 1))[..., None]  # [B, Hq, rows, 1]
+  scale = abs(spec.sm_scale) * xp.abs(temp)
+  s = spec.sm_scale * _pairs(xp, q_r, k)
+  cap = lambda fn: fn(s, *spec.cap_params) if xp is jnp else _bucketed(
+      lambda x: fn(x, *spec.cap_params), s)
+  z = cap(spec.cap.forward) * temp
+  slope = scale * xp.abs(cap(spec.cap.grad))  # |s t c'|
+  if xp is jnp:
+    mask = visible_keys(seq_len, seg, spec.causal, spec.window_len, queries=pos)
+  else:
+    mask = _bucketed_mask(spec, seq_len, seg, pos)
+  mask = mask[:, None]
+  with np.errstate(invalid="ignore", over="ignore"):
+    p = xp.where(mask, xp.exp(xp.where(mask, z - lse_r[..., None], -np.inf)), 0.0)
+  qn, kn = xp.linalg.norm(q_r, axis=-1), xp.linalg.norm(k, axis=-1)  # [B, rows|T, Hq]
+  a = scale * xp.transpose(qn, (0, 2, 1))[..., None] * xp.transpose(kn, (0, 2, 1))[:, :, None]
+  a_bar = xp.sum(p * a, axis=-1, keepdims=True)
+  # A form's cap value is off by form_eps * the largest parameter, in logit units
+  # before the temperature (the softmax scale is inside the cap's argument).
+  form = 2.0 * rounding.form * max(spec.cap_params, default=0.0) * xp.abs(temp)
+  finite_lse = xp.where(xp.isfinite(lse_r), xp.abs(lse_r), 0.0)[..., None]
+  # lse: the logits' float32 dots (Cauchy-Schwarz, as the lse floor was measured
+  # to need); the others: a logit recomputed one rounding away, beside lse's.
+  pw_lse = p * (rounding.logit * (1.0 + a + a_bar + finite_lse) + form)
+  # A probability below the dtype's normal range is rounded absolutely.
+  pw = p * (rounding.recompute * (xp.abs(z) + finite_lse) + form) + rounding.subnormal * mask
+  av, ak, aq, ado = (xp.abs(x) for x in (v, k, q_r, dout_r))
+  dp, dp_abs = _pairs(xp, dout_r, v), _pairs(xp, ado, av)
+  lse_grad = dlse_r + spec.z_loss_weight * xp.where(xp.isfinite(lse_r), lse_r, 0.0)
+  # The row correction as a kernel forms it, from its own out (rounded, and off
+  # by up to its out's terms): sum_d |dO| (sum_j p |v|), plus the lse cotangent.
+  delta_abs = (xp.sum(p * dp_abs, axis=-1)[..., None] + xp.abs(dlse_r)[..., None]
+               + abs(spec.z_loss_weight) * finite_lse)
+  delta = (xp.sum(p * dp, axis=-1) - lse_grad)[..., None]
+  # ds itself (rounded to the input dtype) and its row correction's error; the
+  # float32 dot dp and the logits' error carried through p (pw) ...
+  ds = p * (xp.abs(dp - delta) + delta_abs) * slope
+  # ... a cap form's derivative, off by its own error (absolute, not a rounding),
+  # and ds below the dtype's normal range.
+  ds_w = ((pw + rounding.logit * p) * (dp_abs + delta_abs) * slope
+          + p * (xp.abs(dp - delta) + delta_abs) * scale * rounding.form
+          + rounding.subnormal * mask)
+  return {
+      "out_sum": _rows(xp, p, av), "out_logit": _rows(xp, pw, av),
+      "lse_logit": xp.sum(pw_lse, axis=-1),
+      "dq_sum": _rows(xp, ds, ak), "dq_logit": _rows(xp, ds_w, ak),
+      "dk_sum": _keys(xp, ds, aq), "dk_logit": _keys(xp, ds_w, aq),
+      "dv_sum": _keys(xp, p, ado), "dv_logit": _keys(xp, pw, ado),
+  }
