@@ -217,9 +217,14 @@ def source_root(path: str | Path | None = None) -> Path:
 
 
 def _copy_repo(root: Path, dest: Path) -> None:
+  """The checkout without what the suite does not read, but with the precision
+  baselines (docs/baselines), whose verdict kills a mutant that only makes the
+  errors grow (S3): without them that verdict never ran in a mutant's copy."""
   ignore = shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", "ua-failures", "*.egg-info",
                                   ".venv*", "benchmarks", "docs", "ua-report*", ".whl")
   shutil.copytree(root, dest, ignore=ignore, dirs_exist_ok=True)
+  if (root / "docs" / "baselines").is_dir():
+    shutil.copytree(root / "docs" / "baselines", dest / "docs" / "baselines", dirs_exist_ok=True)
 
 
 def run_mutant(mutant: Mutant, root: Path, timeout: float, save_cases: Path | None = None) -> dict:

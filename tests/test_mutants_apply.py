@@ -22,3 +22,19 @@ def test_mutants_are_distinct():
   twice (M15 and M18 did, once forward and dq came to share their BlockSpecs)."""
   changes = [(m.file, m.old, m.new, m.occurrence or 0) for m in MUTANTS]
   assert len(set(changes)) == len(changes)
+
+
+def test_a_mutant_copy_carries_the_precision_baseline(tmp_path):
+  """A mutant that only makes the errors grow (S3) is killed by the baseline
+  verdict (properties/gates.py), which runs only where the mutant's copy has
+  the checkout's baseline for this jax (docs/baselines/)."""
+  import jax
+
+  from properties.mutation import _baseline_args, _copy_repo
+  root = Path(__file__).resolve().parents[1]
+  if not (root / "docs" / "baselines" / f"ua_kernels-ci-jax{jax.__version__}.json").is_file():
+    pytest.skip(f"no committed baseline for jax {jax.__version__}")
+  _copy_repo(root, tmp_path)
+  [arg] = _baseline_args(tmp_path)
+  assert arg == f"--ua-baseline={tmp_path}/docs/baselines/ua_kernels-ci-jax{jax.__version__}.json"
+  assert Path(arg.split("=", 1)[1]).is_file()
