@@ -116,3 +116,12 @@ def test_a_rows_shared_sign_is_one_draw_per_row():
   oracle = RNG.normal(size=(200, 64))
   stats = BiasStats.of(signed_ulps(_rounded(oracle, True), oracle, "bfloat16"))
   assert stats.rows_below == 200 and verdicts({"dv": stats}, floor=0.35)["dv"]["biased"]
+
+
+def test_a_baseline_of_another_tolerance_model_is_refused(tmp_path):
+  """Format 1 ratios (one tolerance per output) are smaller than today's (per
+  element): compared, they would read as regressions; loading says so instead."""
+  path = tmp_path / "old.json"
+  path.write_text(json.dumps({"format": 1, "cases": {}}))
+  with pytest.raises(ValueError, match="format 1, recorded under another tolerance model"):
+    gates.load_baseline(str(path))
