@@ -131,3 +131,28 @@ def test_lse_floor_covers_float32_logits_summed_in_sequence():
   assert np.all(emulated <= floor), (emulated, floor)
   at = tuple(recorded["worst_index"])
   assert recorded["max_abs_err"] <= floor[at], (recorded, floor[at])
+
+
+@pytest.mark.parametrize("dtype,cap", [("float16", "tanh"), ("bfloat16", "none")])
+def test_jitted_blocked_terms_equal_the_cpu_path(dtype, cap, monkeypatch):
+  """The per-element terms a GPU computes (jitted, in blocks of query rows, the
+  last one padded) equal the CPU's (numpy, one block) to float64 rounding."""
+  import jax
+
+  from properties import error_terms
+  from properties.runner import _reference, make_inputs, x64
+  case = dataclasses.replace(BASE, dtype=dtype, cap_method=cap,
+                             cap_params=(3.0,) if cap != "none" else (), segments="packed")
+  inputs = make_inputs(case)
+  rounding = error_terms.Rounding(2.0 ** -21, 2.0 ** -22, 2.0 ** -10, 2.0 ** -24)
+  with x64(True):
+    _, lse = _reference(case, inputs, float64=True)
+    cpu = error_terms.element_terms(case, inputs, lse, rounding)
+    monkeypatch.setattr(error_terms.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(error_terms, "TERMS_LOGITS", 200)  # 3 rows a block: 11 blocks
+    blocked = error_terms.element_terms(case, inputs, lse, rounding)
+  monkeypatch.undo()
+  assert jax.default_backend() == "cpu"
+  for part, other in zip(cpu, blocked):
+    for name, x in part.items():
+      np.testing.assert_allclose(other[name], x, rtol=1e-12, atol=0, err_msg=name)
