@@ -29,7 +29,6 @@ from .runner import x64
 from .tolerance import FORM_TOLERANCE
 
 
-
 class CapCheckFailure(AssertionError):
   pass
 

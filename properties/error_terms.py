@@ -43,6 +43,7 @@ import numpy as np
 from ua_reference.contract import validate
 from ua_reference.reference import visible_keys
 
+
 @dataclasses.dataclass(frozen=True)
 class Rounding:
   """The errors the logit terms count: ``logit`` the relative error of a
@@ -62,7 +63,7 @@ class Rounding:
 TERMS_LOGITS = 1 << 24
 
 
-def spec_of(case, inputs):
+def _spec_of(case, inputs):
   """The contract's StaticSpec, segment ids and temperature of a case."""
   return validate(
       jnp.asarray(inputs["q"]), jnp.asarray(inputs["k"]), jnp.asarray(inputs["v"]),
@@ -76,7 +77,7 @@ def element_terms(case, inputs: dict, lse, rounding: Rounding):
   """({output: sums}, {output: logit terms}) as float64 numpy arrays of the
   outputs' shapes (lse: only logit terms). ``lse``: the oracle's [B, Hq, T]
   lse. Call under x64."""
-  spec, segment_ids, temperature = spec_of(case, inputs)
+  spec, segment_ids, temperature = _spec_of(case, inputs)
   xp = np if jax.default_backend() == "cpu" else jnp
   f64 = lambda x: xp.asarray(np.asarray(x, np.float64))
   q, k, v, dout = (f64(inputs[n]) for n in ("q", "k", "v", "dout"))

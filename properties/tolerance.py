@@ -13,11 +13,12 @@ the terms e sums) plus the logits' rounding carried through those sums
 allowance, and every other element gets one of its own size. The logits' error
 counts one rounding of each logit and row lse (RECOMPUTE_EPS): a kernel that
 recomputes p in the backward sees them one ulp away from its forward's, which
-a reference computing p once does not. ALPHA scales with how much more rounding a fused kernel
-does than the reference (16-bit probabilities and ds tiles in the matmuls);
-FLOOR covers cases whose reference happens to round almost exactly. Both come
-from data: see properties/calibrate.py and docs/TOLERANCES.md. NaN/inf are
-checked separately and always fail (lse = -inf only where the oracle has -inf).
+a reference computing p once does not. ALPHA scales with how much more
+rounding a fused kernel does than the reference (16-bit probabilities and ds
+tiles in the matmuls); FLOOR covers cases whose reference happens to round
+almost exactly. Both come from data: see properties/calibrate.py and
+docs/TOLERANCES.md. NaN/inf are checked separately and always fail (lse = -inf
+only where the oracle has -inf).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ FLOOR = {"float32": 4 * 2.0 ** -23, "bfloat16": 2 * 2.0 ** -8, "float16": 2 * 2.
 # An absolute floor per element: what a float32 kernel that flushes subnormal
 # intermediates (below 2^-126) loses over up to 2^26 terms (and bfloat16 has
 # float32's range); float16 outputs, and its probabilities and ds tiles, are
-# rounded to its subnormal spacing, 2^-24, below its normal range. Without it a value of 1e-44 that float32 flushes to 0 is "off by 5000
-# floors" (docs/TOLERANCES.md, "Per-element floors").
+# rounded to its subnormal spacing, 2^-24, below its normal range. Without it a
+# value of 1e-44 that float32 flushes to 0 is "off by 5000 floors"
+# (docs/TOLERANCES.md, "Per-element floors").
 UNDERFLOW = {"float32": 2.0 ** -100, "bfloat16": 2.0 ** -100, "float16": 2.0 ** -24,
              "float64": 2.0 ** -1000}
 # A logit recomputed in a backward, one float32 rounding of it (and of lse)
@@ -116,9 +118,9 @@ def floors(case, inputs: dict, oracle: dict, lse) -> dict[str, np.ndarray]:
   out, dq, dk, dv: FLOOR[dtype] times the larger of the element's oracle value
   and the sum of the absolute values of its terms (properties.error_terms),
   plus the logits' own rounding carried through the same sums, plus
-  UNDERFLOW[dtype]. lse: 4 float32
-  ulps of max(|lse|, 1), one rounding of the input dtype (a kernel may sum its
-  rounded probabilities into the row sum), and the logits' rounding. ``lse``: the oracle's [B, Hq, T] lse.
+  UNDERFLOW[dtype]. lse: 4 float32 ulps of max(|lse|, 1), one rounding of the
+  input dtype (a kernel may sum its rounded probabilities into the row sum),
+  and the logits' rounding. ``lse``: the oracle's [B, Hq, T] lse.
   """
   lse = _as64(lse)
   rounding = error_terms.Rounding(
