@@ -236,21 +236,22 @@ def property_tests(profile, oracle_chunks: int | None = None) -> list["PropertyT
         tests += [PropertyTest(prop.name, dtype, chunk, chunks) for dtype in DTYPES]
       elif prop.name in profile.chunked_properties and chunk < profile.oracle_chunks:
         tests.append(PropertyTest(prop.name, None, chunk, profile.oracle_chunks))
-  return (_first_round(chunks, profile.chunked_properties, profile.oracle_chunks)
-          + later + extra)
+  return _first_round(chunks, profile) + later + extra
 
 
-def _first_round(chunks: int, chunked=(), oracle_chunks: int = 1) -> list["PropertyTest"]:
+def _first_round(chunks: int, profile=None) -> list["PropertyTest"]:
   """property_tests' first round (its tests of chunk 0, oracle chunks out of
-  ``chunks``, the profile's ``chunked`` properties' out of ``oracle_chunks``):
+  ``chunks``, the profile's chunked properties' out of its ``oracle_chunks``):
   one test of every property, per dtype where it runs per dtype, then the
-  focused oracle tests."""
+  focused oracle tests and the chunked properties' focused ones."""
   from .capabilities import DTYPES
   from .registry import PROPERTIES
+  chunked = profile.chunked_properties if profile is not None else ()
   first, focused = [], []
   for prop in PROPERTIES:
     if prop.name in chunked:
-      first.append(PropertyTest(prop.name, None, 0, oracle_chunks))
+      first.append(PropertyTest(prop.name, None, 0, profile.oracle_chunks))
+      focused += [PropertyTest(prop.name, focus=focus) for focus in profile.chunked_focuses]
     elif not prop.per_dtype:
       first.append(PropertyTest(prop.name))
     elif not prop.oracle:
@@ -262,10 +263,10 @@ def _first_round(chunks: int, chunked=(), oracle_chunks: int = 1) -> list["Prope
   return first + focused
 
 
-def first_round_size() -> int:
-  """How many tests make property_tests' first round; the same in every
-  profile."""
-  return len(_first_round(1))
+def first_round_size(profile=None) -> int:
+  """How many tests make ``profile``'s first round of property_tests (without
+  one, that of a profile with no chunked property)."""
+  return len(_first_round(1, profile))
 
 
 def time_share(seconds_left: float, workers: int, first_round: int, started_here: int) -> float:
@@ -356,7 +357,8 @@ class Suite:
     verifier = Verifier(impl, self.config.getoption("ua_failures"), self.imports,
                         record=lambda r: node.user_properties.append((_RECORD, r)),
                         case_timeout=self.config.getoption("ua_case_timeout"))
-    seeds = (self.config.getoption("ua_seeds") or self.profile.seeds) if prop.oracle else 1
+    chunked = prop.name in self.profile.chunked_properties
+    seeds_given = self.config.getoption("ua_seeds")
     # An offset per chunk gives a configuration drawn by two chunks different
     # inputs in each.
     offset = 104729 * test.chunk
@@ -366,7 +368,7 @@ class Suite:
 
     def body(case):
       worst = 0.0
-      for i in range(seeds):
+      for i in range(input_seeds(prop, case, self.profile, seeds_given)):
         seeded = dataclasses.replace(case, seed=(case.seed + offset + 7919 * i) % 2 ** 31)
         if seeded not in started and state.deadline is not None:
           now = time.time()
@@ -382,9 +384,9 @@ class Suite:
 
     run = given(case=strategy)(body)
     examples = self.profile.examples(prop.examples, prop.oracle)
-    if prop.name in self.profile.chunked_properties:
+    if chunked:
       examples = self.profile.chunked_examples
-    if test.focus:
+    elif test.focus:
       examples = {"long": self.profile.long_examples}.get(
           test.focus, self.profile.mask_focus_examples if test.focus.startswith("mask-")
           else self.profile.focus_examples)
@@ -405,10 +407,21 @@ class Suite:
     workerinput = getattr(self.config, "workerinput", None)
     workers = workerinput["workercount"] if workerinput else 1
     now = time.time()
-    share = time_share(state.deadline - now, workers, first_round_size(),
+    share = time_share(state.deadline - now, workers, first_round_size(self.profile),
                        state.first_round_started)
     state.first_round_started += 1
     return min(state.deadline, now + share)
+
+
+def input_seeds(prop, case, profile, given: int | None = None) -> int:
+  """Input seeds a drawn configuration runs with: an oracle property's
+  (--ua-seeds, else the profile's), a chunked property's, one where the seed
+  changes nothing the property checks (Property.seed_matters)."""
+  if not prop.seed_matters(case):
+    return 1
+  if prop.oracle:
+    return given or profile.seeds
+  return profile.chunked_seeds if prop.name in profile.chunked_properties else 1
 
 
 def _seed(test: PropertyTest, has_database: bool) -> int | None:

@@ -102,6 +102,13 @@ class Profile:
   # gives them a share of its cases, not one test's.
   chunked_properties: tuple[str, ...] = ()
   chunked_examples: int = 1  # examples of each of their tests
+  # Input seeds per configuration of a chunked property, where the seed
+  # changes what it checks (Property.seed_matters): a configuration compiles
+  # in tens of seconds and runs a seed in tenths, so further seeds buy cases.
+  chunked_seeds: int = 1
+  # Focused first-round tests of each chunked property (mask kinds, as
+  # "mask-causal"), so that a time box gives them a share from its start.
+  chunked_focuses: tuple[str, ...] = ()
   # Whether focused oracle tests draw from rotated choices (strategies.cases),
   # each from its own first configuration; the ci profile's focused tests
   # keep the realistic first values.
@@ -134,14 +141,16 @@ PROFILES = {p.name: p for p in (
     # as 10 tests per dtype of 6 configurations x 24 input seeds (4320 oracle
     # cases; a configuration compiles for about 20 s and runs a seed in about
     # 1, docs/VERIFICATION.md) and 7 focused tests per dtype of 2 x 24; the exact mask and
-    # the hidden-key properties as 10 tests of 15 cases each, on lengths up to
-    # 16384 (each about a tenth of the cases); no shrinking (a failure's case
-    # file replays it); saved failures replayed first.
+    # the hidden-key properties as 10 tests and 3 focused ones (one per mask
+    # kind, in the first round) of 15 configurations each, on lengths up to
+    # 16384, with 24 input seeds where the seed changes what they check; no
+    # shrinking (a failure's case file replays it); saved failures replayed first.
     Profile("gpu", BUCKETS["gpu"], 1.0, dict(
         derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate]),
         oracle_chunks=10, oracle_examples=6, seeds=24, mask_focus_examples=2,
         long_properties=("mask_is_exact", "hidden_keys_do_not_leak"),
         chunked_properties=("mask_is_exact", "hidden_keys_do_not_leak"), chunked_examples=15,
+        chunked_seeds=24, chunked_focuses=("mask-causal", "mask-window", "mask-segment_ids"),
         rotate_focused=True),
 )}
 

@@ -4,6 +4,7 @@ an empty directory. Declared tiles expose a tile-bound defect in the ci
 profile; a crashing or hanging case is reported with its case file and replay
 command, and the run goes on; the oracle's own errors are the harness's."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -141,7 +142,7 @@ def test_a_time_box_starts_one_test_of_every_property_first(profile):
   from properties.profiles import PROFILES
 
   tests = property_tests(PROFILES[profile], 100)
-  first = tests[:first_round_size()]
+  first = tests[:first_round_size(PROFILES[profile])]
   assert {t.property for t in first} == {p.name for p in registry.PROPERTIES}
   assert all(t.chunk == 0 for t in first)
   oracle_per_dtype = [p.name for p in registry.PROPERTIES if p.oracle and p.per_dtype]
@@ -217,3 +218,29 @@ def test_the_ua_profiles_are_registered_before_hypothesis_loads_one(tmp_path):
   proc, _ = run_suite(tmp_path, "ua_reference:attention", "--hypothesis-profile=ua-ci",
                       "--ua-minutes=0", "-k", "deterministic", timeout=300)
   assert proc.returncode == 0 and "1 skipped" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_chunked_properties_take_seeds_only_where_the_seed_matters():
+  """The gpu profile's exact-mask and hidden-key tests run further input seeds
+  of a compiled configuration (a campaign's share of their cases), but the
+  exact mask only where the seed draws its segment ids: without documents its
+  inputs are fixed encodings, and a second seed would repeat the first."""
+  from properties.plugin import input_seeds, property_tests
+  from properties.profiles import PROFILES
+
+  gpu, ci = PROFILES["gpu"], PROFILES["ci"]
+  plain = Case(batch=1, seq_len=300, num_q_heads=2, num_kv_heads=2, head_dim=32,
+               dtype="bfloat16", causal=True)
+  packed = dataclasses.replace(plain, segments="packed")
+  mask, hidden = registry.get("mask_is_exact"), registry.get("hidden_keys_do_not_leak")
+  oracle = registry.get("matches_oracle")
+  assert input_seeds(mask, plain, gpu) == 1
+  assert input_seeds(mask, packed, gpu) == gpu.chunked_seeds > 1
+  assert input_seeds(hidden, plain, gpu) == gpu.chunked_seeds
+  assert input_seeds(hidden, plain, ci) == 1
+  assert input_seeds(oracle, plain, gpu) == gpu.seeds
+  assert input_seeds(oracle, plain, gpu, given=3) == 3
+  focused = [t for t in property_tests(gpu) if t.property in gpu.chunked_properties and t.focus]
+  assert {(t.property, t.focus) for t in focused} == {
+      (p, f) for p in gpu.chunked_properties for f in gpu.chunked_focuses}
+  assert all(t.chunk == 0 for t in focused)  # first round: a time box starts them early

@@ -41,8 +41,9 @@ def attention(q, k, v, *, mesh: Mesh, axis: str, segment_ids=None, causal=False,
               sm_scale=None, z_loss_weight=0.0, return_lse=False,
               config: KernelConfig | None = None):
   """The contract's attention (docs/SEMANTICS.md) with T sharded over ``mesh``'s
-  ``axis``: global q, k, v [B, T, H, D] in, global out (and lse) out. T must be a
-  multiple of twice the axis size (the zig-zag chunks)."""
+  ``axis``: global q, k, v [B, T, H, D] in, global out (and lse) out. Over more
+  than one device T must be a multiple of twice the axis size (the zig-zag
+  chunks); over one it is the plain call."""
   spec, segment_ids, temperature = validate(
       q, k, v, segment_ids=segment_ids, causal=causal, window_len=window_len,
       cap_method=cap_method, cap_params=cap_params, temperature=temperature,
@@ -52,11 +53,30 @@ def attention(q, k, v, *, mesh: Mesh, axis: str, segment_ids=None, causal=False,
   if axis not in mesh.shape:
     raise ValueError(f"axis {axis!r} is not an axis of the mesh (axes {tuple(mesh.shape)})")
   shards = mesh.shape[axis]
+  if shards == 1:
+    # The whole sequence on one device: the plain call (one kernel, no ring
+    # steps to merge, no zig-zag gathers), whose cost the op must not exceed.
+    return _attention(q, k, v, segment_ids=segment_ids, causal=causal, window_len=window_len,
+                      cap_method=cap_method, cap_params=cap_params, temperature=temperature,
+                      sm_scale=spec.sm_scale, z_loss_weight=z_loss_weight,
+                      return_lse=return_lse, config=config)
   t = q.shape[1]
   if t % (2 * shards):
     raise ValueError(f"the sequence length ({t}) must be a multiple of twice the number of "
                      f"shards along {axis!r} ({2 * shards}): the zig-zag layout cuts it in "
                      f"{2 * shards} equal chunks")
+  return _ring_attention(q, k, v, mesh=mesh, axis=axis, spec=spec, segment_ids=segment_ids,
+                         causal=causal, cap_method=cap_method, cap_params=cap_params,
+                         temperature=temperature, z_loss_weight=z_loss_weight,
+                         return_lse=return_lse, config=config)
+
+
+def _ring_attention(q, k, v, *, mesh, axis, spec, segment_ids, causal, cap_method, cap_params,
+                    temperature, z_loss_weight, return_lse, config):
+  """The ring over ``mesh``'s ``axis`` in the zig-zag layout, for validated
+  inputs (``spec``: the contract's validated options); any shard count, one
+  included (benchmarks/context_parallel.py times that against the plain call)."""
+  shards, t = mesh.shape[axis], q.shape[1]
   window = spec.window_len if spec.window_len < t else 0  # validate clamps it to T
   common = dict(cap_method=cap_method, cap_params=tuple(cap_params), sm_scale=spec.sm_scale,
                 config=config)
