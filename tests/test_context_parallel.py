@@ -11,6 +11,7 @@ The sharded runs need several devices, which a process fixes when jax starts
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -101,10 +102,21 @@ def test_bad_input_is_refused_by_name():
 
 
 def test_one_shard_is_the_plain_call():
-  """P = 1 is the plain call, bit for bit, at any T (odd included); the ring
-  of one step (two zig-zag chunks on the one device, as timed against it by
+  """P = 1 is the plain call: the same lowered program, forward and gradient
+  (so it costs nothing over it; docs/CONTEXT_PARALLEL.md has its timing on the
+  H200), the same values at any T (odd included); the ring of one step (two
+  zig-zag chunks on the one device, as timed against it by
   benchmarks/context_parallel.py) agrees with it."""
   mesh = Mesh(np.array(jax.devices()[:1]), ("context",))
+  x = jnp.zeros((1, 15, 2, 16), jnp.bfloat16)
+  kw = dict(causal=True, window_len=5, cap_method="tanh", cap_params=(3.0,), z_loss_weight=0.1,
+            return_lse=True)
+  calls = (lambda q, k, v: context_parallel.attention(q, k, v, mesh=mesh, axis="context", **kw),
+           lambda q, k, v: ua_kernels.attention(q, k, v, **kw))
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v)[0].astype(jnp.float32))
+  for wrap in (jax.jit, lambda f: jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))):
+    one, plain = (re.sub(r"jit_\w+", "jit_f", wrap(f).lower(x, x, x).as_text()) for f in calls)
+    assert one == plain
   rng = np.random.default_rng(1)
   for t in (16, 15):
     q, k, v = (jnp.asarray(rng.standard_normal((1, t, 2, 16)), jnp.float32) for _ in range(3))
