@@ -103,7 +103,9 @@ def key_permutation_invariance(impl, case: Case):
 
 
 def packed_equals_separate(impl, case: Case):
-  """A packed batch row equals each of its documents run alone."""
+  """A packed batch row equals each of its documents run alone. An
+  implementation that takes only some lengths (ua_seq_len_multiple) runs a
+  document alone padded to the next one, the padding a document of its own."""
   inputs = make_inputs(case)
   packed = evaluate(impl, case, inputs)
   _, bounds = baseline(case)
@@ -112,31 +114,46 @@ def packed_equals_separate(impl, case: Case):
   for b in range(case.batch):
     starts = np.flatnonzero(np.diff(seg[b], prepend=seg[b][0] - 1))
     for start, stop in list(zip(starts, list(starts[1:]) + [case.seq_len]))[:3]:
-      sub_case = _replace(case, batch=1, seq_len=int(stop - start), segments="none")
-      sub = {}
-      for name, x in inputs.items():
-        if x is None or name == "segment_ids":
-          sub[name] = None
-        elif name == "dlse":
-          sub[name] = x[b:b + 1, :, start:stop]
-        elif name == "temperature":
-          full = np.broadcast_to(x, (case.batch, case.seq_len, case.num_q_heads))
-          sub[name] = np.ascontiguousarray(full[b:b + 1, start:stop])
-        else:
-          sub[name] = x[b:b + 1, start:stop]
+      length = int(stop - start)
+      sub_case, sub = _document_alone(impl, case, inputs, b, start, length)
       alone = evaluate(impl, sub_case, sub)
       for name in ("out", "lse", "dq", "dk", "dv"):
         if packed[name] is None:
           continue
         take = (lambda x: x[b:b + 1, :, start:stop]) if name == "lse" else \
                (lambda x: x[b:b + 1, start:stop])
+        own = alone[name][:, :, :length] if name == "lse" else alone[name][:, :length]
         ref_err, tol = bounds[name]
-        errors.append(compare(name, take(packed[name]), alone[name], ref_err, take(tol),
+        errors.append(compare(name, take(packed[name]), own, ref_err, take(tol),
                               slack=2.0, label=f"{name}[b{b},{start}:{stop}]"))
   bad = [e for e in errors if not e.ok]
   if bad:
     raise PropertyFailure("a packed document differs from the same document alone", bad)
   return errors
+
+
+def _document_alone(impl, case: Case, inputs: dict, b: int, start: int, length: int):
+  """(case, inputs) of batch row ``b``'s document [start, start + length)
+  alone: no segment ids, or, padded to a length ``impl`` takes, ids 0 for
+  the document and 1 for the padding (zeros, unit temperature)."""
+  t = impl.fit_seq_len(length)
+  pad = lambda x, axis, value=0.0: np.pad(
+      x, [(0, t - length) if a == axis else (0, 0) for a in range(x.ndim)],
+      constant_values=value)
+  sub = {"segment_ids": None if t == length else
+         np.asarray([[0] * length + [1] * (t - length)], np.int32)}
+  for name, x in inputs.items():
+    if x is None or name == "segment_ids":
+      sub.setdefault(name, None)
+    elif name == "dlse":
+      sub[name] = pad(x[b:b + 1, :, start:start + length], 2)
+    elif name == "temperature":
+      full = np.broadcast_to(x, (case.batch, case.seq_len, case.num_q_heads))
+      sub[name] = pad(np.ascontiguousarray(full[b:b + 1, start:start + length]), 1, 1.0)
+    else:
+      sub[name] = pad(x[b:b + 1, start:start + length], 1)
+  segments = "none" if t == length else "packed"
+  return _replace(case, batch=1, seq_len=t, segments=segments), sub
 
 
 def hidden_key_sets(case: Case, segment_ids=None):

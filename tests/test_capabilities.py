@@ -126,3 +126,32 @@ def test_chunks_of_a_campaign_start_from_different_configurations():
   assert (firsts[0].seq_len, firsts[0].head_dim) == (buckets.seq_lens[0], buckets.head_dims[0])
   assert len({c.static_digest() for c in firsts}) == len(firsts)
   assert any(c.seq_len >= buckets.long_seq for c in firsts)
+
+
+def test_a_document_alone_is_padded_to_a_declared_length_multiple():
+  """packed_equals_separate runs each document alone; for an implementation
+  that takes only multiples of 4 (as a sharded op over 2 devices), a document
+  of 1 or 3 tokens runs padded to 4 with the padding a document of its own,
+  and the property still compares every document's rows."""
+  import jax.numpy as jnp
+  import ua_reference
+  from properties import checks
+  from properties.case import Case
+
+  lengths = []
+
+  def attention(q, k, v, **kwargs):
+    lengths.append(q.shape[1])
+    if q.shape[1] % 4:
+      raise ValueError(f"the sequence length ({q.shape[1]}) must be a multiple of 4")
+    return ua_reference.attention(q, k, v, **kwargs)
+
+  attention.ua_seq_len_multiple = 4
+  impl = declare("mod:attention", attention)
+  case = Case(batch=1, seq_len=8, num_q_heads=2, num_kv_heads=1, head_dim=16, dtype="float32",
+              segments="packed", seed=3)
+  seg = checks.make_inputs(case)["segment_ids"][0]
+  assert any(n % 4 for n in jnp.unique(jnp.asarray(seg), return_counts=True)[1].tolist())
+  errors = checks.packed_equals_separate(impl, case)
+  assert errors and all(e.ok for e in errors)
+  assert all(t % 4 == 0 for t in lengths) and 4 in lengths
