@@ -151,7 +151,10 @@ def _compare(shape_class, tiles):
   _close("out", out_m, out, q.dtype)
   # A fast cap form: the Triton interpreter rounds its tanh to 11 bits (the
   # error of tanh.approx, ua_kernels.fast_math), Mosaic's interpreter does not.
-  _close("lse2", lse2_m, lse2, jnp.float32, eps=2.0 ** -11 if fast_cap else None)
+  # Else four float32 roundings: the two kernels sum a row's l in other orders
+  # (docs/TOLERANCES.md, "The interpreters' lse2": 3 ulps measured under jax 0.12.0.1).
+  _close("lse2", lse2_m, lse2, jnp.float32,
+         eps=2.0 ** -11 if fast_cap else 4 * float(jnp.finfo(jnp.float32).eps))
   if grads_m is not None:
     for name, got, want in zip(("dq", "dk", "dv"), grads_m, grads):
       _close(name, got, want, q.dtype)
