@@ -20,12 +20,11 @@ import sys
 import tarfile
 import tempfile
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 import ua_kernels
-from benchmarks.bench import _fwd_bwd, provenance, time_interleaved
+from benchmarks.bench import fwd_and_grad_times, provenance
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -74,13 +73,8 @@ def main(argv=None):
               cap_params=(cap,) if cap else ())
     fns = {"new": functools.partial(ua_kernels.attention, **kw),
            "base": functools.partial(base.attention, **kw)}
-    row = {"case": f"B{b} T{t} H{hq}/{hkv} D{d} {options.dtype} {label}"}
-    for what, wrap in (("fwd", jax.jit), ("fwd_bwd", _fwd_bwd)):
-      ms = time_interleaved({n: wrap(f) for n, f in fns.items()}, (q, k, v), options.repeats)
-      ok = all(isinstance(x, float) for x in ms.values())
-      row[what] = {n: (x if isinstance(x, float) else repr(x)) for n, x in ms.items()}
-      if ok:
-        row[what]["new/base"] = ms["new"] / ms["base"]
+    row = {"case": f"B{b} T{t} H{hq}/{hkv} D{d} {options.dtype} {label}",
+           **fwd_and_grad_times(fns, (q, k, v), options.repeats, base="base")}
     print(json.dumps(row), flush=True)
     result["rows"].append(row)
   pathlib.Path(options.json).write_text(json.dumps(result, indent=1) + "\n")

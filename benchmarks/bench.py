@@ -138,6 +138,20 @@ def _fwd_bwd(f):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
+def fwd_and_grad_times(fns, args, repeats, base):
+  """{"fwd": ..., "fwd_bwd": ...} of jit(f) and _fwd_bwd(f) for each of ``fns``,
+  timed round-robin (time_interleaved): milliseconds (a failure's repr), and
+  "NAME/BASE", each function's time over ``base``'s, where both ran."""
+  row = {}
+  for what, wrap in (("fwd", jax.jit), ("fwd_bwd", _fwd_bwd)):
+    ms = time_interleaved({n: wrap(f) for n, f in fns.items()}, args, repeats)
+    row[what] = {n: (x if isinstance(x, float) else repr(x)) for n, x in ms.items()}
+    for n in fns:
+      if n != base and isinstance(ms.get(n), float) and isinstance(ms.get(base), float):
+        row[what][f"{n}/{base}"] = ms[n] / ms[base]
+  return row
+
+
 def _with_runtime_options(attention, q, k, v, segment_ids=None, temperature=None, **static):
   """``attention`` with segment ids and temperature as arguments of the jitted
   call, as in training (bound as constants, XLA would precompute what the

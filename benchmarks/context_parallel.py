@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import ua_kernels
-from benchmarks.bench import _fwd_bwd, provenance, time_interleaved
+from benchmarks.bench import fwd_and_grad_times, provenance
 from ua_kernels import context_parallel
 from ua_reference.contract import validate
 
@@ -66,14 +66,8 @@ def main(argv=None):
            "op P=1": lambda q, k, v, seg: context_parallel.attention(
                q, k, v, mesh=mesh, axis="context", segment_ids=seg, **kw),
            "ring P=1": lambda q, k, v, seg: _ring(q, k, v, mesh, segment_ids=seg, **kw)}
-    row = {"case": f"B{b} T{t} H{hq}/{hkv} D{d} bfloat16 {label}"}
-    for what, wrap in (("fwd", jax.jit), ("fwd_bwd", _fwd_bwd)):
-      ms = time_interleaved({n: wrap(f) for n, f in fns.items()}, (q, k, v, seg),
-                            options.repeats)
-      row[what] = {n: (x if isinstance(x, float) else repr(x)) for n, x in ms.items()}
-      for n in ("op P=1", "ring P=1"):
-        if isinstance(ms.get(n), float) and isinstance(ms.get("plain"), float):
-          row[what][f"{n}/plain"] = ms[n] / ms["plain"]
+    row = {"case": f"B{b} T{t} H{hq}/{hkv} D{d} bfloat16 {label}",
+           **fwd_and_grad_times(fns, (q, k, v, seg), options.repeats, base="plain")}
     print(json.dumps(row), flush=True)
     result["rows"].append(row)
   pathlib.Path(options.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -239,14 +239,14 @@ def property_tests(profile, oracle_chunks: int | None = None) -> list["PropertyT
   return _first_round(chunks, profile) + later + extra
 
 
-def _first_round(chunks: int, profile=None) -> list["PropertyTest"]:
+def _first_round(chunks: int, profile) -> list["PropertyTest"]:
   """property_tests' first round (its tests of chunk 0, oracle chunks out of
   ``chunks``, the profile's chunked properties' out of its ``oracle_chunks``):
   one test of every property, per dtype where it runs per dtype, then the
   focused oracle tests and the chunked properties' focused ones."""
   from .capabilities import DTYPES
   from .registry import PROPERTIES
-  chunked = profile.chunked_properties if profile is not None else ()
+  chunked = profile.chunked_properties
   first, focused = [], []
   for prop in PROPERTIES:
     if prop.name in chunked:
@@ -263,9 +263,8 @@ def _first_round(chunks: int, profile=None) -> list["PropertyTest"]:
   return first + focused
 
 
-def first_round_size(profile=None) -> int:
-  """How many tests make ``profile``'s first round of property_tests (without
-  one, that of a profile with no chunked property)."""
+def first_round_size(profile) -> int:
+  """How many tests make ``profile``'s first round of property_tests."""
   return len(_first_round(1, profile))
 
 
