@@ -355,7 +355,8 @@ class Suite:
                      multi_tile=test.focus.startswith("mask-")).filter(prop.applies)
     verifier = Verifier(impl, self.config.getoption("ua_failures"), self.imports,
                         record=lambda r: node.user_properties.append((_RECORD, r)),
-                        case_timeout=self.config.getoption("ua_case_timeout"))
+                        case_timeout=self.config.getoption("ua_case_timeout"),
+                        worker=getattr(self.config, "workerinput", {}).get("workerid", "main"))
     chunked = prop.name in self.profile.chunked_properties
     seeds_given = self.config.getoption("ua_seeds")
     # An offset per chunk gives a configuration drawn by two chunks different
@@ -526,7 +527,7 @@ def _crashed_cases(failures_dir: str, since: float) -> list[dict]:
 
 # Per-row sums of a case's time: compile (tracing, lowering, compiling),
 # the rest, and compilations (properties/compile_clock.py).
-TIME_KEYS = ("compile_seconds", "run_seconds")
+TIME_KEYS = ("compile_seconds", "run_seconds", "harness_seconds")
 WORST_CASES = 10  # the report's worst cases, with their configurations
 
 
@@ -551,13 +552,18 @@ def _ratio_key(ratio) -> float:
   return float("inf") if ratio is None else ratio
 
 
-def case_record(r: dict) -> dict:
+def case_record(r: dict, started: float | None = None) -> dict:
   """What the report keeps of every case: enough for the distributions of
   error/tolerance per output and dtype (properties/html_report.py) and the
-  time split, not the configuration."""
+  time split, not the configuration; ``at``: seconds from the campaign's
+  start to the case's."""
   keys = ("property", "case", "configuration", "seq_len", "oracle", "dtype", "status", "ratio",
-          "ratios", "seconds", "compile_seconds", "run_seconds", "compiled", "cache_hits", "host")
-  return {k: r[k] for k in keys if k in r}
+          "ratios", "seconds", "compile_seconds", "run_seconds", "harness_seconds", "compiled",
+          "cache_hits", "host", "worker")
+  out = {k: r[k] for k in keys if k in r}
+  if started is not None and "started_at" in r:
+    out["at"] = round(r["started_at"] - started, 2)
+  return out
 
 
 def worst_cases(records: list[dict], n: int = WORST_CASES) -> list[dict]:
@@ -570,7 +576,8 @@ def worst_cases(records: list[dict], n: int = WORST_CASES) -> list[dict]:
   return [{k: r[k] for k in keys if k in r} for r in worst]
 
 
-def build_report(records: list[dict], crashed: list[dict], seconds: float) -> dict:
+def build_report(records: list[dict], crashed: list[dict], seconds: float,
+                 started: float | None = None) -> dict:
   """Per feature group and property: cases, failures, harness errors, worst
   error/tolerance, seconds, and of those seconds the compile and run seconds
   and compilations (persistent-cache hits where the cache was on); every
@@ -608,7 +615,24 @@ def build_report(records: list[dict], crashed: list[dict], seconds: float) -> di
           **totals,
           "feature_groups": dict(sorted(groups.items())), "properties": dict(sorted(props.items())),
           "failures": failures, "crashed": crashed,
-          "worst_cases": worst_cases(records), "records": [case_record(r) for r in records]}
+          "timeline": timeline(records, seconds, started),
+          "worst_cases": worst_cases(records),
+          "records": [case_record(r, started) for r in records]}
+
+
+def timeline(records: list[dict], seconds: float, started: float | None) -> dict:
+  """Where a campaign's wall seconds went besides its cases: how long its
+  workers took to start their first case, when the last case started, and the
+  share of workers x wall seconds the cases filled (the rest is start-up,
+  collection, and workers idle while the last cases of others end)."""
+  workers = len({r.get("worker", "main") for r in records}) or 1
+  busy = sum(r["seconds"] for r in records)
+  out = {"workers": workers, "busy_share": round(busy / max(workers * seconds, 1e-9), 3)}
+  starts = [r["started_at"] for r in records if "started_at" in r]
+  if started is not None and starts:
+    out["first_case_started"] = round(min(starts) - started, 1)
+    out["last_case_started"] = round(max(starts) - started, 1)
+  return out
 
 
 def _print_table(write, title, table):
@@ -640,7 +664,7 @@ def pytest_sessionfinish(session):
   crashed = _crashed_cases(config.getoption("ua_failures"), state.started)
   if not state.records and not crashed:
     return
-  report = build_report(state.records, crashed, time.time() - state.started)
+  report = build_report(state.records, crashed, time.time() - state.started, state.started)
   from . import profiles
   report.update(impl=config.getoption("impl"), profile=profiles.active().name,
                 host=socket.gethostname(), commit=_commit(), command=" ".join(sys.argv),

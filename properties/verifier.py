@@ -106,6 +106,7 @@ class Verifier:
   imports: tuple[str, ...] = ()
   record: Callable[[dict], None] | None = None
   case_timeout: float | None = None
+  worker: str = "main"  # the pytest-xdist worker running the checks
 
   def check(self, prop: Property, case: Case) -> list[OutputError]:
     os.makedirs(self.failures_dir, exist_ok=True)
@@ -115,14 +116,17 @@ class Verifier:
         path, case, prop.name, self.impl.name, status=status, errors=errors,
         message=message, imports=self.imports, replay=replay)
     write("running")
-    start = (time.perf_counter(), clock().mark())
+    start = (time.perf_counter(), clock().mark(), time.time())
+    self._harness_seconds = 0.0
     watchdog = _Watchdog(None, None)
     try:
       if prop.oracle:
         with x64(prop.x64):
           prepare(self.impl, case)  # every executable the check calls, compiled at once
       if prop.baseline:
+        harness_start = time.perf_counter()
         baseline(case)  # the harness's part, before the implementation's clock starts
+        self._harness_seconds = time.perf_counter() - harness_start
       watchdog = _Watchdog(self.case_timeout, lambda: write(
           "timeout", message=f"the implementation ran past the case timeout of "
                              f"{self.case_timeout} s"))
@@ -159,7 +163,10 @@ class Verifier:
     rest), with the compilations it needed (and, with JAX's persistent cache
     on, how many of them the cache served); a case that did not pass keeps the
     start of its message, so that a report read away from the machine that ran
-    it (its case files stay there) still says what failed."""
+    it (its case files stay there) still says what failed. ``started_at`` (the
+    wall clock) and ``worker`` place the case on the campaign's timeline, and
+    ``harness_seconds`` is the oracle's and the reference's share of its
+    seconds (their evaluation and the floors, compiles included)."""
     if self.record is None:
       return
     seconds = time.perf_counter() - start[0]
@@ -180,6 +187,9 @@ class Verifier:
               "ratios": {name: finite(r) for name, r in sorted(ratios.items())},
               "seconds": round(seconds, 3), "compile_seconds": round(compile_seconds, 3),
               "run_seconds": round(seconds - compile_seconds, 3),
+              "harness_seconds": round(getattr(self, "_harness_seconds", 0.0), 3),
+              "started_at": round(start[2], 3),
+              "worker": self.worker,
               "compiled": timing["compiled"], "replay": replay,
               "failed_outputs": failed_output_names(errors, biased),
               "config": case.to_dict(), "imports": list(self.imports)}
