@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import ml_dtypes
@@ -75,7 +76,23 @@ def _saturating(rng, case: Case):
 
 
 def make_inputs(case: Case) -> dict:
-  """q, k, v (case dtype), segment_ids, temperature, dout, dlse as numpy."""
+  """q, k, v (case dtype), segment_ids, temperature, dout, dlse as numpy,
+  read-only: the last few cases' are kept, since one oracle check asks for its
+  inputs several times (the harness, the VJP, the plain call), and at T = 16k
+  drawing them takes seconds (docs/VERIFICATION.md, "Where a case's seconds go")."""
+  return dict(_drawn(case))
+
+
+@functools.lru_cache(maxsize=2)
+def _drawn(case: Case) -> dict:
+  inputs = _draw(case)
+  for x in inputs.values():
+    if isinstance(x, np.ndarray):
+      x.setflags(write=False)
+  return inputs
+
+
+def _draw(case: Case) -> dict:
   rng = np.random.default_rng(case.seed)
   dtype = DTYPES[case.dtype]
   b, t, hq, hkv, d = (case.batch, case.seq_len, case.num_q_heads,

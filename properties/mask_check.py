@@ -35,7 +35,10 @@ ELEMENT_BUDGET elements per input, so that T = 16k costs a few calls.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ua_reference import visible_keys
@@ -43,7 +46,7 @@ from ua_reference.caps import CAP_METHODS
 
 from .case import Case
 from .inputs import DTYPES, make_inputs
-from .runner import evaluate
+from .runner import evaluate_arrays
 from .tolerance import OutputError
 
 QUERY_SCALE = 2.0 ** -3  # keeps sm_scale * QUERY_SCALE below every drawn cap (>= sm_scale / 4 * sqrt(D))
@@ -57,46 +60,91 @@ class MaskMismatch(AssertionError):
     super().__init__(message)
 
 
-def _one_hot(chunks, batch, t, heads, d, dtype, scale=1.0):
-  """[len(chunks) * batch, t, heads, d]: row r's positions of chunk c =
-  chunks[r] one-hot at their offset in the chunk, other positions zero."""
-  x = np.zeros((len(chunks) * batch, t, heads, d), dtype)
-  for r, c in enumerate(chunks):
-    pos = np.arange(c * d, min((c + 1) * d, t))
-    for b in range(batch):
-      x[r * batch + b, pos, :, pos - c * d] = scale
-  return x
+def _xp():
+  """numpy on a CPU backend (the ci profile's many small shapes would each pay
+  an XLA compile), jax.numpy under jit where the long ones run: there the
+  check's elementwise work over [rows, T, H, D] outputs stays on the device
+  and only counts come back (docs/VERIFICATION.md, "Where a case's seconds go")."""
+  return np if jax.default_backend() == "cpu" else jnp
 
 
-def _chunk_inputs(case: Case, chunks, base: dict, with_lse: bool) -> dict:
+def _one_hot(xp, positions, batch, t, heads, dtype, scale=1.0):
+  """[R * batch, t, heads, D]: row r's position positions[r, e] one-hot at e
+  (scale there), every other element zero; positions past t select nothing."""
+  rows, d = positions.shape
+  hit = xp.arange(t)[None, None, :, None, None] == positions[:, None, None, None, :]
+  x = xp.broadcast_to(hit, (rows, batch, t, heads, d)).astype(dtype) * xp.asarray(scale, dtype)
+  return x.reshape(rows * batch, t, heads, d)
+
+
+def _positions(xp, chunks, d):
+  """[R, D]: the key (and query) positions of each row's chunk."""
+  return xp.asarray(chunks)[:, None] * d + xp.arange(d)[None, :]
+
+
+def _chunk_inputs(xp, case: Case, chunks, base: dict, with_lse: bool) -> dict:
   b, t, hq, hkv, d = (case.batch, case.seq_len, case.num_q_heads, case.num_kv_heads,
                       case.head_dim)
   dtype = DTYPES[case.dtype]
   rows = len(chunks)
+  positions = _positions(xp, np.asarray(chunks), d)
   temp = base["temperature"]
   if temp is not None:
     temp = np.ones_like(np.asarray(temp, np.float32))
     if temp.ndim == 3:
       temp = np.tile(temp, (rows, 1, 1))
   seg = None if base["segment_ids"] is None else np.tile(base["segment_ids"], (rows, 1))
-  k = _one_hot(chunks, b, t, hkv, d, dtype)
+  k = _one_hot(xp, positions, b, t, hkv, dtype)
   dlse = np.full((rows * b, hq, t), LSE_COTANGENT if with_lse else 0.0, np.float32)
-  return {"q": _one_hot(chunks, b, t, hq, d, dtype, QUERY_SCALE), "k": k, "v": k,
+  return {"q": _one_hot(xp, positions, b, t, hq, dtype, QUERY_SCALE), "k": k, "v": k,
           "segment_ids": seg, "temperature": temp,
-          "dout": _one_hot(chunks, b, t, hq, d, dtype), "dlse": dlse}
+          "dout": _one_hot(xp, positions, b, t, hq, dtype), "dlse": dlse}
 
 
-def _expected(case: Case, seg, chunk: int):
-  """(query-major, key-major) [B or 1, T, 1, D] visible sets of key chunk
-  ``chunk``: [b, i, e] is whether query i sees key chunk*D + e, and whether
-  query chunk*D + e sees key i; False past T."""
+def _expected(xp, case: Case, seg, chunks):
+  """(query-major, key-major) [R, B or 1, T, 1, D] visible sets of each row's
+  key chunk: [r, b, i, 0, e] is whether query i sees key chunks[r]*D + e, and
+  whether query chunks[r]*D + e sees key i; False past T."""
   t, d = case.seq_len, case.head_dim
-  pos = np.arange(chunk * d, min((chunk + 1) * d, t))
+  positions = _positions(xp, chunks, d)
+  rows = positions.shape[0]
+  valid = (positions < t)[:, None, None, None, :]
+  flat = xp.minimum(positions, t - 1).reshape(-1)
   args = (t, seg, case.causal, case.window_len)
-  by_query = np.asarray(visible_keys(*args, keys=pos))
-  by_key = np.swapaxes(np.asarray(visible_keys(*args, queries=pos)), 1, 2)
-  pad = lambda x: np.pad(x, ((0, 0), (0, 0), (0, d - len(pos))))[:, :, None, :]
-  return pad(by_query), pad(by_key)
+  by_query = xp.asarray(visible_keys(*args, keys=flat))  # [B', T, R*D]
+  by_key = xp.asarray(visible_keys(*args, queries=flat))  # [B', R*D, T]
+  lead = by_query.shape[0]
+  by_query = xp.transpose(by_query.reshape(lead, t, rows, d), (2, 0, 1, 3))
+  by_key = xp.transpose(by_key.reshape(lead, rows, d, t), (1, 0, 3, 2))
+  return by_query[:, :, :, None, :] & valid, by_key[:, :, :, None, :] & valid
+
+
+def _counts(xp, case: Case, layouts: tuple, seg, chunks, kept, *outputs):
+  """Per output: (hidden keys seen, visible ones dropped, NaN, flat index of
+  the first mismatch in [R, B, T, H, D]), over the first ``kept`` rows of one
+  call (the others repeat its last chunk)."""
+  by_query, by_key = _expected(xp, case, seg, chunks)
+  rows = chunks.shape[0]
+  live = (xp.arange(rows) < kept)[:, None, None, None, None]
+  counts = []
+  for x, key_major in zip(outputs, layouts):
+    x = x.reshape(rows, case.batch, *x.shape[1:])
+    got, expected = x != 0, by_key if key_major else by_query
+    leaked, dropped = got & ~expected & live, ~got & expected & live
+    counts.append((xp.sum(leaked), xp.sum(dropped), xp.sum(xp.isnan(x) & live),
+                   xp.argmax((leaked | dropped).reshape(-1))))
+  return counts
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_counts(case: Case, layouts: tuple):
+  return jax.jit(functools.partial(_counts, jnp, case, layouts))
+
+
+def _count_fn(case: Case, layouts: tuple):
+  if _xp() is np:
+    return functools.partial(_counts, np, case, layouts)
+  return _jitted_counts(dataclasses.replace(case, seed=0), layouts)
 
 
 def _gradients_encode_the_mask(case: Case) -> bool:
@@ -120,15 +168,16 @@ class _Tally:
   nan: int = 0
   first: tuple = ()
 
-  def add(self, got_raw, expected, chunk, d, key_major):
-    got_raw = np.asarray(got_raw, np.float32)
-    got = got_raw != 0
-    self.nan += int(np.isnan(got_raw).sum())
-    leaked, dropped = got & ~expected, ~got & expected
-    self.leaked += int(leaked.sum())
-    self.dropped += int(dropped.sum())
-    if not self.first and (leaked.any() or dropped.any()):
-      b, i, h, e = (int(x) for x in np.argwhere(leaked | dropped)[0])
+  def add(self, counts, shape, chunks, d, key_major):
+    """``counts`` of _counts for this output, over outputs of ``shape``
+    [R, B, T, H, D]."""
+    leaked, dropped, nan, first = (int(c) for c in counts)
+    self.leaked += leaked
+    self.dropped += dropped
+    self.nan += nan
+    if not self.first and (leaked or dropped):
+      r, b, i, h, e = (int(x) for x in np.unravel_index(first, shape))
+      chunk = int(chunks[r])
       query, key = (chunk * d + e, i) if key_major else (i, chunk * d + e)
       self.first = (b, h, query, key)
 
@@ -158,15 +207,20 @@ def mask_is_exact(impl, case: Case):
   base = make_inputs(case)
   names = [("out", False), ("dv", True)] + ([("dq", False), ("dk", True)] if check_grads else [])
   tallies = {name: _Tally(name) for name, _ in names}
+  xp = _xp()
+  layouts = tuple(key_major for _, key_major in names)
+  count = _count_fn(case, layouts)
+  seg = None if base["segment_ids"] is None else xp.asarray(base["segment_ids"])
   for first in range(0, chunks, per_call):
-    group = [min(c, chunks - 1) for c in range(first, first + per_call)]
-    result = evaluate(impl, call_case, _chunk_inputs(case, group, base, with_lse))
-    for r, chunk in enumerate(group[:chunks - first]):
-      by_query, by_key = _expected(case, base["segment_ids"], chunk)
-      rows = slice(r * case.batch, (r + 1) * case.batch)
-      for name, key_major in names:
-        tallies[name].add(result[name][rows], by_key if key_major else by_query, chunk, d,
-                          key_major)
+    # A last call's spare rows repeat its last chunk; only the first ``kept`` count.
+    group = np.array([min(c, chunks - 1) for c in range(first, first + per_call)])
+    result = evaluate_arrays(impl, call_case, _chunk_inputs(xp, case, group, base, with_lse))
+    outputs = [xp.asarray(result[name]) for name, _ in names]
+    kept = min(per_call, chunks - first)
+    for (name, key_major), counts, x in zip(
+        names, count(seg, xp.asarray(group), kept, *outputs), outputs):
+      shape = (per_call, case.batch) + tuple(x.shape[1:])
+      tallies[name].add(counts, shape, group, d, key_major)
   errors = [tally.error() for tally in tallies.values()]
   bad = [tally for tally in tallies.values() if tally.leaked or tally.dropped or tally.nan]
   if bad:

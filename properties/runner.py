@@ -146,8 +146,15 @@ def evaluate(impl: Implementation, case: Case, inputs: dict | None = None, *,
   """Outputs and q/k/v cotangents of ``impl`` on the case, as numpy arrays;
   ``omit`` drops keyword arguments so defaults can be compared with explicit values."""
   inputs = make_inputs(case) if inputs is None else inputs
+  return _as_numpy(evaluate_arrays(impl, case, inputs, omit=omit))
+
+
+def evaluate_arrays(impl: Implementation, case: Case, inputs: dict, *,
+                    omit: tuple[str, ...] = ()) -> dict:
+  """evaluate's outputs left on the device that computed them (jax arrays),
+  for a check that reduces them there; ``inputs`` may be jax arrays."""
   args = _args(inputs, float64=False)
-  return _as_numpy(_vjp_executable(impl, case, args, omit)(*args))
+  return _vjp_executable(impl, case, args, omit)(*args)
 
 
 def _reference_args(case: Case, inputs: dict, float64: bool):
