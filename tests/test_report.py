@@ -62,6 +62,24 @@ def test_a_case_compiling_a_new_shape_records_its_compile_time(small_report):
   assert all(r["ratio"] == max(r["ratios"].values()) for r in oracle)
 
 
+def test_every_case_sits_on_the_campaigns_timeline(small_report):
+  """A case's start (seconds from the campaign's), worker and harness seconds,
+  and the timeline's busy share of the one worker's wall seconds."""
+  report, _ = small_report
+  records = report["records"]
+  assert all(r["worker"] == "main" and 0 <= r["at"] <= report["seconds"] for r in records)
+  ats = [r["at"] for r in records]
+  assert ats == sorted(ats)  # one worker: in the order they ran
+  oracle = [r for r in records if r["oracle"]]
+  assert all(0 < r["harness_seconds"] <= r["seconds"] for r in oracle)
+  timeline = report["timeline"]
+  assert timeline["workers"] == 1
+  busy = sum(r["seconds"] for r in records) / report["seconds"]
+  assert timeline["busy_share"] == pytest.approx(busy, abs=0.01) and 0 < busy <= 1
+  assert timeline["first_case_started"] == pytest.approx(min(ats), abs=0.1)
+  assert timeline["last_case_started"] == pytest.approx(max(ats), abs=0.1)
+
+
 def test_the_report_sums_the_split_per_group_and_property(small_report):
   report, printed = small_report
   records = report["records"]
