@@ -117,7 +117,7 @@ class Verifier:
         message=message, imports=self.imports, replay=replay)
     write("running")
     start = (time.perf_counter(), clock().mark(), time.time())
-    self._harness_seconds = 0.0
+    harness_seconds = 0.0
     watchdog = _Watchdog(None, None)
     try:
       if prop.oracle:
@@ -126,7 +126,7 @@ class Verifier:
       if prop.baseline:
         harness_start = time.perf_counter()
         baseline(case)  # the harness's part, before the implementation's clock starts
-        self._harness_seconds = time.perf_counter() - harness_start
+        harness_seconds = time.perf_counter() - harness_start
       watchdog = _Watchdog(self.case_timeout, lambda: write(
           "timeout", message=f"the implementation ran past the case timeout of "
                              f"{self.case_timeout} s"))
@@ -135,14 +135,16 @@ class Verifier:
         raise AssertionError(f"{prop.name} compared nothing on this case")
     except HarnessError as exc:
       write("harness", message=str(exc))
-      self._record(prop, case, "harness", [], start, replay, str(exc))
+      self._record(prop, case, "harness", [], start, replay, str(exc),
+                   harness_seconds=harness_seconds)
       raise HarnessFailure(f"harness error (not the implementation's): {prop.name} on {case}\n"
                            f"{exc}\nreplay: {replay}", case, (), replay) from exc
     except Exception as exc:  # noqa: BLE001 -- any failure is a finding
       errors, biased = getattr(exc, "errors", []), getattr(exc, "biased", ())
       message = f"{type(exc).__name__}: {exc}"
       write("failed", [e.to_dict() for e in errors], message)
-      self._record(prop, case, "failed", errors, start, replay, message, biased)
+      self._record(prop, case, "failed", errors, start, replay, message, biased,
+                   harness_seconds=harness_seconds)
       raise CaseFailure(f"{prop.name} failed for {self.impl.name} on {case}\n"
                         f"{message}\nreplay: {replay}", case, errors, replay, biased) from exc
     except KeyboardInterrupt:
@@ -151,10 +153,11 @@ class Verifier:
     finally:
       watchdog.cancel()
     _remove(path)
-    self._record(prop, case, "passed", errors, start, "")
+    self._record(prop, case, "passed", errors, start, "", harness_seconds=harness_seconds)
     return errors
 
-  def _record(self, prop, case, status, errors, start, replay, message="", biased=()):
+  def _record(self, prop, case, status, errors, start, replay, message="", biased=(),
+              harness_seconds=0.0):
     """One case's record for the report (plugin.build_report): its outcome,
     worst error/tolerance overall and per output (None: not finite), and its
     time split into compile_seconds (tracing, lowering and compiling: the
@@ -187,7 +190,7 @@ class Verifier:
               "ratios": {name: finite(r) for name, r in sorted(ratios.items())},
               "seconds": round(seconds, 3), "compile_seconds": round(compile_seconds, 3),
               "run_seconds": round(seconds - compile_seconds, 3),
-              "harness_seconds": round(getattr(self, "_harness_seconds", 0.0), 3),
+              "harness_seconds": round(harness_seconds, 3),
               "started_at": round(start[2], 3),
               "worker": self.worker,
               "compiled": timing["compiled"], "replay": replay,
