@@ -5,13 +5,13 @@ made from it (effective_config).
 Pallas-Triton, 16-bit: measured on one H200 (jax 0.11.2, triton 3.6, bf16, B=4
 (2 for D=256), T=4096, H=16), candidates timed round-robin. D=128 forward
 tiles: no cap 128x128, 8 warps, 3 stages, full and causal; tanh cap 64x64, 4
-warps, 3 stages; windows keep the 64x64 tiles they were measured with. float32
-tiles hold twice the bytes, so for D > 64 float32 keeps untuned tiles that fit
-the H200's 227 KiB of shared memory per block and ran there (D=256 at 64x32),
-with 8 warps (the heuristic they ran with); float32 is correctness-first here,
-not tuned. Mosaic GPU (16-bit only): `python -m benchmarks.tune --backend
-mosaic`. The sweeps and the float32 runs behind these choices:
-docs/BENCHMARKS.md, "Tiles". The CPU interpreter ignores warps and stages.
+warps, 3 stages; windows keep the 64x64 tiles they were measured with.
+float32 (`python -m benchmarks.tune --dtype float32`, B=1, causal and full):
+its products run on FMA units (precision HIGHEST), so tiles of 32 keys win, and
+compile in a few seconds where 64x64 ones took tens (a GPU campaign compiles
+one per configuration). Mosaic GPU (16-bit only): `python -m benchmarks.tune
+--backend mosaic`. The sweeps behind these choices: docs/BENCHMARKS.md,
+"Tiles". The CPU interpreter ignores warps and stages.
 """
 
 from __future__ import annotations
@@ -36,7 +36,13 @@ def triton_config(spec: StaticSpec, dtype) -> KernelConfig:
     return KernelConfig(block_q=64, block_kv=32, block_q_dq=32, block_kv_dq=32,
                         block_q_dkv=32, block_kv_dkv=32, **_WARPS_8, **_STAGES_2)
   if jnp.dtype(dtype) == jnp.float32 and spec.head_dim > 64:
-    return KernelConfig(64, 64, 64, 64, 64, 64, **_WARPS_8, **_STAGES_2)
+    return KernelConfig(block_q=64, block_kv=32, block_q_dq=32, block_kv_dq=32,
+                        block_q_dkv=32, block_kv_dkv=32, num_warps=4, num_warps_bwd=4,
+                        **_STAGES_2)
+  if jnp.dtype(dtype) == jnp.float32:
+    return KernelConfig(block_q=64, block_kv=64, block_q_dq=32, block_kv_dq=32,
+                        block_q_dkv=32, block_kv_dkv=32, num_warps=8, num_stages=2,
+                        num_warps_bwd=4, num_stages_bwd=1)
   if spec.head_dim > 128:
     return KernelConfig(block_q=128, block_kv=64, num_warps=8, num_stages=2,
                         block_q_dq=32, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=32,
