@@ -27,7 +27,10 @@ temperature, s the softmax scale, c' the cap's derivative):
   form's own error (``form``, properties/cap_checks.py): ``form`` times
   the largest cap parameter in the cap's value, ``form`` in its derivative
   (``|ds|`` with ``|c'|`` replaced by it). dq and dk also with the float32 dot
-  ``dp = dO_i.v_j`` (``u32 (|dO_i|.|v_j| + D_i)``).
+  ``dp = dO_i.v_j`` (``u32 (|dO_i|.|v_j| + D_i)``), and with the cap's
+  derivative step: ``|ds|`` with ``|c'|`` replaced by how far c' moves within a
+  logit's rounding (1 for a hard cap's logit on its step; docs/TOLERANCES.md,
+  "A derivative step within a logit's rounding").
 """
 
 from __future__ import annotations
@@ -155,6 +158,20 @@ def _bucketed_mask(spec, seq_len, seg, pos):
   return np.asarray(mask)[:, :len(pos), :seq_len]
 
 
+def _derivative_step(xp, spec, s, width):
+  """How far the cap's derivative moves within ``width`` of each logit ``s``
+  (the logit's own rounding): 1 where a hard cap's step at |s| = c lies that
+  close, so that a logit computed on the other side of it (the same-precision
+  reference's too) gets its derivative either way; about |c''| * width, a
+  rounding, for a smooth cap; 0 for none."""
+  if spec.cap_method == "none":
+    return 0.0
+  grad = lambda x: spec.cap.grad(x, *spec.cap_params) if xp is jnp else _bucketed(
+      lambda y: spec.cap.grad(y, *spec.cap_params), x)
+  at = grad(s)
+  return xp.maximum(xp.abs(grad(s + width) - at), xp.abs(grad(s - width) - at))
+
+
 def _pairs(xp, a, b):
   """[B, Hq, rows, T] of a [B, rows, Hq, D] . b [B, T, Hq, D] over D."""
   return xp.matmul(xp.transpose(a, (0, 2, 1, 3)), xp.transpose(b, (0, 2, 3, 1)))
@@ -182,6 +199,10 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
       lambda x: fn(x, *spec.cap_params), s)
   z = cap(spec.cap.forward) * temp
   slope = scale * xp.abs(cap(spec.cap.grad))  # |s t c'|
+  qn, kn = xp.linalg.norm(q_r, axis=-1), xp.linalg.norm(k, axis=-1)  # [B, rows|T, Hq]
+  norms = xp.transpose(qn, (0, 2, 1))[..., None] * xp.transpose(kn, (0, 2, 1))[:, :, None]
+  step = _derivative_step(xp, spec, s, rounding.logit * (1.0 + abs(spec.sm_scale) * norms)
+                          + rounding.recompute * xp.abs(s))
   if xp is jnp:
     mask = visible_keys(seq_len, seg, spec.causal, spec.window_len, queries=pos)
   else:
@@ -189,8 +210,7 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
   mask = mask[:, None]
   with np.errstate(invalid="ignore", over="ignore"):
     p = xp.where(mask, xp.exp(xp.where(mask, z - lse_r[..., None], -np.inf)), 0.0)
-  qn, kn = xp.linalg.norm(q_r, axis=-1), xp.linalg.norm(k, axis=-1)  # [B, rows|T, Hq]
-  a = scale * xp.transpose(qn, (0, 2, 1))[..., None] * xp.transpose(kn, (0, 2, 1))[:, :, None]
+  a = scale * norms
   a_bar = xp.sum(p * a, axis=-1, keepdims=True)
   # A form's cap value is off by form_eps * the largest parameter, in logit units
   # before the temperature (the softmax scale is inside the cap's argument).
@@ -215,7 +235,7 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
   # ... a cap form's derivative, off by its own error (absolute, not a rounding),
   # and ds below the dtype's normal range.
   ds_w = ((pw + rounding.logit * p) * (dp_abs + delta_abs) * slope
-          + p * (xp.abs(dp - delta) + delta_abs) * scale * rounding.form
+          + p * (xp.abs(dp - delta) + delta_abs) * scale * (rounding.form + step)
           + rounding.subnormal * mask)
   return {
       "out_sum": _rows(xp, p, av), "out_logit": _rows(xp, pw, av),

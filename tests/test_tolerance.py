@@ -156,3 +156,35 @@ def test_jitted_blocked_terms_equal_the_cpu_path(dtype, cap, monkeypatch):
   for part, other in zip(cpu, blocked):
     for name, x in part.items():
       np.testing.assert_allclose(other[name], x, rtol=1e-12, atol=0, err_msg=name)
+
+
+def test_a_logit_on_the_hard_caps_step_gets_its_derivative_either_way(monkeypatch):
+  """The hard cap's derivative steps from 1 to 0 at |s| = c: a logit within
+  its own rounding of c may be computed on either side (on the H200 the
+  same-precision reference and the kernels took the other side on a few of
+  millions of pairs, and dq, dk failed). The floors allow that pair's ds
+  either way, and only because of the step's allowance."""
+  from properties import error_terms, tolerance
+  from properties.runner import _reference, make_inputs, x64
+  case = dataclasses.replace(BASE, cap_method="hard", cap_params=(1.0,), causal=False)
+  inputs = make_inputs(case)
+  q, k = (np.asarray(inputs[n], np.float64) for n in ("q", "k"))
+  scale = 1.0 / np.sqrt(case.head_dim)
+  # The visible pair (batch 0, query 5, head 0, key 3): its |logit| becomes the cap.
+  c = abs(scale * float(q[0, 5, 0] @ k[0, 3, 0]))
+  on_step = dataclasses.replace(case, cap_params=(c,))
+  beyond = dataclasses.replace(case, cap_params=(c * (1 - 1e-12),))  # derivative 0 there
+  with x64(True):
+    oracle, lse = _reference(on_step, inputs, float64=True)
+    flipped, _ = _reference(beyond, inputs, float64=True)
+    floors = tolerance.floors(on_step, inputs, oracle, lse)
+    monkeypatch.setattr(error_terms, "_derivative_step", lambda *args: 0.0)
+    unstepped = tolerance.floors(on_step, inputs, oracle, lse)
+  for name in ("dq", "dk"):
+    moved = np.abs(np.asarray(flipped[name], np.float64) - oracle[name])
+    assert np.all(moved <= floors[name]), name
+    assert np.any(moved > unstepped[name]), name
+  # Everything else keeps its floor: the allowance sits on the one pair.
+  assert np.array_equal(floors["dv"], unstepped["dv"])
+  changed = np.argwhere(floors["dq"] != unstepped["dq"])
+  assert {tuple(i[:3]) for i in changed} == {(0, 5, 0)}, changed
