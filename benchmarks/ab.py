@@ -60,6 +60,8 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--json", default="ab.json")
+  parser.add_argument("--case", action="append", choices=[c[0] for c in CASES],
+                      help="time only this case (repeatable; default: all)")
   options = parser.parse_args(argv)
   if options.repeats < 1:
     parser.error(f"--repeats must be at least 1, got {options.repeats}")
@@ -67,6 +69,8 @@ def main(argv=None):
   result = {**provenance(argv), "base": options.base, "rows": []}
   dtype = jnp.dtype(options.dtype)
   for label, b, t, hq, hkv, d, causal, cap in CASES:
+    if options.case and label not in options.case:
+      continue
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), dtype) for h in (hq, hkv, hkv))
     kw = dict(causal=causal, cap_method="tanh" if cap else "none",

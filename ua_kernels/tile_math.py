@@ -256,7 +256,8 @@ def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: 
   return ds * spec.sm_scale
 
 
-# float16's largest finite value is 65504 = 2^16 - 2^5; ds tiles are kept below 2^15.
+# float16's largest finite value is 65504 = 2^16 - 2^5; ds tiles are kept below 2^15,
+# and brought up to at least 2^14 where they are smaller (a factor of at most 2^63).
 _FLOAT16_SAFE = 2.0 ** 15
 
 
@@ -267,20 +268,27 @@ def matmul_operand(ds, dtype, axis: int):
   16-bit tensor cores. bfloat16 has float32's range; float16 ends at 65504,
   and ds passes it where w * lse or the temperature is large (z-loss 1 on rows
   with lse near 10^4, temperature near 50: |ds| up to 7.6e4), so the cast gave
-  inf where the gradient is finite (docs/DEFECTS.md, F16). For float16 each
-  slice along ``axis`` (a query row for dq: axis 1; a key column for the Triton
-  dk: axis 0; a key row of the Mosaic dk/dv kernel's keys-by-queries tile:
-  axis 1) whose largest |ds| passes 2^15 is scaled by a power of two, exactly, and
-  the caller scales that row of the product back. Selects, not log2: a handful
-  of per-slice operations."""
+  inf where the gradient is finite (docs/DEFECTS.md, F16); and float16's normal
+  range starts at 2^-14, below which ds rounds to its subnormal spacing, 2^-24,
+  the same way on many elements of nearly one-hot rows (B33: dk biased by half
+  an ulp). For float16 each slice along ``axis`` (a query row for dq: axis 1; a
+  key column for the Triton dk: axis 0; a key row of the Mosaic dk/dv kernel's
+  keys-by-queries tile: axis 1) is scaled by a power of two, exactly, that
+  brings its largest |ds| into (2^14, 2^15], and the caller scales that row of
+  the product back. Selects, not log2: a handful of per-slice operations."""
   if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
     return ds.astype(dtype), None
   big = jnp.max(jnp.abs(ds), axis=axis)
   scale = jnp.ones_like(big)
   # The smallest power-of-two scale-down that brings big to 2^15: each step
-  # halves the bound on big * scale's excess (float32 ds is below 2^128).
+  # halves the bound on big * scale's excess (float32 ds is below 2^128) ...
   for k in (64, 32, 16, 8, 4, 2, 1, 0):
     scale = jnp.where(big * scale > _FLOAT16_SAFE * 2.0 ** k, scale * 2.0 ** -max(k, 1), scale)
+  # ... or the largest scale-up (up to 2^63) that keeps it at most 2^15; a slice
+  # of zeros stays as it is.
+  for k in (32, 16, 8, 4, 2, 1):
+    scale = jnp.where((big > 0) & (big * scale * 2.0 ** k <= _FLOAT16_SAFE),
+                      scale * 2.0 ** k, scale)
   scaled = ds * lax.broadcast_in_dim(scale, ds.shape, (1 - axis,))
   return scaled.astype(dtype), 1.0 / scale
 
