@@ -57,6 +57,8 @@ def _report_best(prefix, times):
     print(f"{prefix} {n}: " + (f"{ms:.3f} ms" if isinstance(ms, float) else type(ms).__name__),
           flush=True)
   timed = {n: ms for n, ms in times.items() if isinstance(ms, float)}
+  if not timed:
+    raise RuntimeError(f"{prefix}: no candidate ran")
   best = min(timed, key=timed.get)
   return best, timed[best]
 
@@ -99,6 +101,8 @@ def main():
   parser.add_argument("--batch", type=int, default=None,
                       help="batch (default 4, 2 at head dim 256)")
   args = parser.parse_args()
+  if args.batch is not None and args.batch < 1:
+    parser.error(f"--batch must be at least 1, got {args.batch}")
   f32 = args.dtype == "float32"
   if f32 and args.backend == "mosaic":
     parser.error("--dtype float32 runs on Triton only (the Mosaic kernels are 16-bit)")
@@ -106,7 +110,7 @@ def main():
   dims = {int(d) for d in args.head_dims.split(",")}
   results = []
   for d, causal, cap in [s for s in (SHAPES_F32 if f32 else SHAPES) if s[0] in dims]:
-    b = args.batch or (4 if d <= 128 else 2)
+    b = args.batch if args.batch is not None else (4 if d <= 128 else 2)
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(b, args.t, 16, d)), args.dtype) for _ in range(3))
     kw = dict(causal=causal, **(dict(cap_method="tanh", cap_params=(cap,)) if cap else {}))

@@ -133,7 +133,7 @@ def test_lse_floor_covers_float32_logits_summed_in_sequence():
   assert recorded["max_abs_err"] <= floor[at], (recorded, floor[at])
 
 
-@pytest.mark.parametrize("dtype,cap", [("float16", "tanh"), ("bfloat16", "none")])
+@pytest.mark.parametrize("dtype,cap", [("float16", "tanh"), ("bfloat16", "none"), ("float32", "hard")])
 def test_jitted_blocked_terms_equal_the_cpu_path(dtype, cap, monkeypatch):
   """The per-element terms a GPU computes (jitted, in blocks of query rows, the
   last one padded) equal the CPU's (numpy, one block) to float64 rounding."""
@@ -162,29 +162,46 @@ def test_a_logit_on_the_hard_caps_step_gets_its_derivative_either_way(monkeypatc
   """The hard cap's derivative steps from 1 to 0 at |s| = c: a logit within
   its own rounding of c may be computed on either side (on the H200 the
   same-precision reference and the kernels took the other side on a few of
-  millions of pairs, and dq, dk failed). The floors allow that pair's ds
-  either way, and only because of the step's allowance."""
+  millions of pairs, and dq, dk failed). The floors allow that pair's ds either
+  way, only because of the step's allowance, only at that pair, and only while
+  c lies within the logit's rounding (half of it away: allowed; twice: not)."""
   from properties import error_terms, tolerance
   from properties.runner import _reference, make_inputs, x64
   case = dataclasses.replace(BASE, cap_method="hard", cap_params=(1.0,), causal=False)
   inputs = make_inputs(case)
   q, k = (np.asarray(inputs[n], np.float64) for n in ("q", "k"))
   scale = 1.0 / np.sqrt(case.head_dim)
-  # The visible pair (batch 0, query 5, head 0, key 3): its |logit| becomes the cap.
-  c = abs(scale * float(q[0, 5, 0] @ k[0, 3, 0]))
-  on_step = dataclasses.replace(case, cap_params=(c,))
-  beyond = dataclasses.replace(case, cap_params=(c * (1 - 1e-12),))  # derivative 0 there
+  # The visible pair (batch 0, query 5, head 0, key 3; key head 0): its |logit| is the cap.
+  logit = abs(scale * float(q[0, 5, 0] @ k[0, 3, 0]))
+  width = tolerance.FLOOR["float32"] * (1 + scale * np.linalg.norm(q[0, 5, 0])
+                                         * np.linalg.norm(k[0, 3, 0])) \
+      + tolerance.RECOMPUTE_EPS * logit
+  stepless = lambda *args: 0.0
+
+  def floors(cap, step=True):
+    with x64(True), monkeypatch.context() as patch:
+      if not step:
+        patch.setattr(error_terms, "_derivative_step", stepless)
+      c = dataclasses.replace(case, cap_params=(cap,))
+      oracle, lse = _reference(c, inputs, float64=True)
+      return oracle, tolerance.floors(c, inputs, oracle, lse)
+
+  # The oracle's derivative there is 1 (the cap a hair above the logit); the
+  # other side's, 0 (a hair below: the forward moves by 1e-12 of c).
+  oracle, stepped = floors(logit * (1 + 1e-12))
+  _, unstepped = floors(logit * (1 + 1e-12), step=False)
   with x64(True):
-    oracle, lse = _reference(on_step, inputs, float64=True)
-    flipped, _ = _reference(beyond, inputs, float64=True)
-    floors = tolerance.floors(on_step, inputs, oracle, lse)
-    monkeypatch.setattr(error_terms, "_derivative_step", lambda *args: 0.0)
-    unstepped = tolerance.floors(on_step, inputs, oracle, lse)
-  for name in ("dq", "dk"):
+    flipped, _ = _reference(dataclasses.replace(case, cap_params=(logit * (1 - 1e-12),)),
+                            inputs, float64=True)
+  for name, pair_index in (("dq", (0, 5, 0)), ("dk", (0, 3, 0))):
     moved = np.abs(np.asarray(flipped[name], np.float64) - oracle[name])
-    assert np.all(moved <= floors[name]), name
+    assert np.all(moved <= stepped[name]), name
     assert np.any(moved > unstepped[name]), name
-  # Everything else keeps its floor: the allowance sits on the one pair.
-  assert np.array_equal(floors["dv"], unstepped["dv"])
-  changed = np.argwhere(floors["dq"] != unstepped["dq"])
-  assert {tuple(i[:3]) for i in changed} == {(0, 5, 0)}, changed
+    changed = np.argwhere(stepped[name] != unstepped[name])
+    assert {tuple(i[:3]) for i in changed} == {pair_index}, (name, changed)
+  assert np.array_equal(stepped["dv"], unstepped["dv"])
+  # Half the logit's rounding from the step, on either side: still allowed; twice: not.
+  for offset, allowed in ((0.5, True), (-0.5, True), (2.0, False), (-2.0, False)):
+    _, near = floors(logit + offset * width)
+    _, near_unstepped = floors(logit + offset * width, step=False)
+    assert bool(np.any(near["dq"] != near_unstepped["dq"])) is allowed, offset

@@ -257,7 +257,7 @@ def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: 
 
 
 # float16's largest finite value is 65504 = 2^16 - 2^5; ds tiles are kept below 2^15,
-# and brought up to at least 2^14 where they are smaller (a factor of at most 2^63).
+# and brought up to above 2^14 where they are smaller (by a factor of at most 2^63).
 _FLOAT16_SAFE = 2.0 ** 15
 
 
@@ -274,7 +274,8 @@ def matmul_operand(ds, dtype, axis: int):
   an ulp). For float16 each slice along ``axis`` (a query row for dq: axis 1; a
   key column for the Triton dk: axis 0; a key row of the Mosaic dk/dv kernel's
   keys-by-queries tile: axis 1) is scaled by a power of two, exactly, that
-  brings its largest |ds| into (2^14, 2^15], and the caller scales that row of
+  brings its largest |ds| into (2^14, 2^15] (a slice of zeros, and one below
+  2^-48, which 2^63 cannot lift, stay below), and the caller scales that row of
   the product back. Selects, not log2: a handful of per-slice operations."""
   if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
     return ds.astype(dtype), None

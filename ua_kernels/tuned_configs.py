@@ -7,9 +7,10 @@ Pallas-Triton, 16-bit: measured on one H200 (jax 0.11.2, triton 3.6, bf16, B=4
 tiles: no cap 128x128, 8 warps, 3 stages, full and causal; tanh cap 64x64, 4
 warps, 3 stages; windows keep the 64x64 tiles they were measured with.
 float32 (`python -m benchmarks.tune --dtype float32`, B=1, causal and full):
-its products run on FMA units (precision HIGHEST), so tiles of 32 keys win, and
-compile in a few seconds where 64x64 ones took tens (a GPU campaign compiles
-one per configuration). Mosaic GPU (16-bit only): `python -m benchmarks.tune
+its products run on FMA units (precision HIGHEST), so tiles of 32 keys win
+above D=64 and in every backward (the D=128 forward takes the full sweep's
+64x32, 12% behind the causal sweep's best), and compile in a few seconds where
+64x64 ones took up to 12 (a GPU campaign compiles one per configuration). Mosaic GPU (16-bit only): `python -m benchmarks.tune
 --backend mosaic`. The sweeps behind these choices: docs/BENCHMARKS.md,
 "Tiles". The CPU interpreter ignores warps and stages.
 """
