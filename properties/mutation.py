@@ -164,6 +164,10 @@ MUTANTS = [
     Mutant("M30", TILE_MATH, "  if jnp.dtype(dtype) != jnp.dtype(jnp.float16):\n    return ds.astype(dtype), None",
            "  if True:\n    return ds.astype(dtype), None",
            "float16 ds cast without the power-of-two scale (overflows past 65504)"),
+    Mutant("M33", TILE_MATH, "    scale = jnp.where((big > 0) & (big * scale * 2.0 ** k <= _FLOAT16_SAFE),",
+           "    scale = jnp.where((big > 1e30) & (big * scale * 2.0 ** k <= _FLOAT16_SAFE),",
+           "float16 ds not scaled up into the normal range (small ds round to the subnormal "
+           "spacing, one way: a bias)"),
     Mutant("M19", SOFTMAX_STATE, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
            "no guard for rows whose keys in a tile are all hidden (NaN)"),
     # --- defects small in max-abs error (docs/TOLERANCES.md, "Exact mask") ---
