@@ -158,9 +158,9 @@ def _bucketed_mask(spec, seq_len, seg, pos):
   return np.asarray(mask)[:, :len(pos), :seq_len]
 
 
-def _derivative_step(xp, spec, s, at, width):
-  """How far the cap's derivative (``at``, its value at each logit ``s``) moves
-  within ``width`` of ``s`` (the logit's own rounding): 1 where a hard cap's step
+def _derivative_step(xp, spec, grad, s, at, width):
+  """How far the cap's derivative ``grad`` (``at``: its value at each logit
+  ``s``) moves within ``width`` of ``s`` (the logit's own rounding): 1 where a hard cap's step
   at |s| = c lies that close, so that a logit computed on the other side of it
   (the same-precision reference's too) gets its derivative either way; about
   |c''| * width, a rounding, for a smooth cap; 0 for none. Sampled at both ends
@@ -168,8 +168,6 @@ def _derivative_step(xp, spec, s, at, width):
   the cap, around it, still counts the step."""
   if spec.cap_method == "none":
     return 0.0
-  grad = lambda x: spec.cap.grad(x, *spec.cap_params) if xp is jnp else _bucketed(
-      lambda y: spec.cap.grad(y, *spec.cap_params), x)
   nearest_zero = xp.clip(0.0, s - width, s + width)
   return xp.maximum(xp.maximum(xp.abs(grad(s + width) - at), xp.abs(grad(s - width) - at)),
                     xp.abs(grad(nearest_zero) - at))
@@ -198,15 +196,15 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
   temp = xp.transpose(temp_r, (0, 2, 1))[..., None]  # [B, Hq, rows, 1]
   scale = abs(spec.sm_scale) * xp.abs(temp)
   s = spec.sm_scale * _pairs(xp, q_r, k)
-  cap = lambda fn: fn(s, *spec.cap_params) if xp is jnp else _bucketed(
-      lambda x: fn(x, *spec.cap_params), s)
+  cap = lambda fn, x=s: fn(x, *spec.cap_params) if xp is jnp else _bucketed(
+      lambda y: fn(y, *spec.cap_params), x)
   z = cap(spec.cap.forward) * temp
   grad = cap(spec.cap.grad)
   slope = scale * xp.abs(grad)  # |s t c'|
   qn, kn = xp.linalg.norm(q_r, axis=-1), xp.linalg.norm(k, axis=-1)  # [B, rows|T, Hq]
   norms = xp.transpose(qn, (0, 2, 1))[..., None] * xp.transpose(kn, (0, 2, 1))[:, :, None]
-  step = _derivative_step(xp, spec, s, grad, rounding.logit * (
-      1.0 + abs(spec.sm_scale) * norms) + rounding.recompute * xp.abs(s))
+  width = rounding.logit * (1.0 + abs(spec.sm_scale) * norms) + rounding.recompute * xp.abs(s)
+  step = _derivative_step(xp, spec, lambda x: cap(spec.cap.grad, x), s, grad, width)
   if xp is jnp:
     mask = visible_keys(seq_len, seg, spec.causal, spec.window_len, queries=pos)
   else:
