@@ -577,3 +577,31 @@ def test_float32_backward_probabilities_keep_what_rounding_lse2_lost():
 
   assert row_sum_error(tile_math.probabilities(logits, lse2, lse2_low)) < 1e-6
   assert row_sum_error(tile_math.probabilities(logits, lse2)) > 1e-5
+
+
+def test_capped_16_bit_output_is_normalised_by_the_probabilities_it_used():
+  """Under a cap a row's logits sit on a few values, so its probabilities
+  round to 16 bits alike for P @ V; normalised by their unrounded sum, every
+  element of the row moved one way (docs/DEFECTS.md, B33: bfloat16 out -0.41
+  ulp on average). Rows of equal logits whose p = 2^-0.3 rounds in bfloat16:
+  values of ones must come out exactly one, and do not with the unrounded sum."""
+  from ua_kernels import tile_math
+  from ua_kernels.softmax_state import SoftmaxState, sums_rounded
+
+  rows, keys = 8, 16
+  logits = tile_math.Logits(jnp.full((rows, keys), -0.3, jnp.float32), 1.0, None, (), 0)
+  ones = jnp.ones((keys, 16), jnp.bfloat16)
+  assert float(jnp.asarray(2.0 ** -0.3, jnp.bfloat16)) != 2.0 ** -0.3
+
+  def out(rounded_sum):
+    state = SoftmaxState.init(rows, 16, 0.0, rounded_sum).update(logits, ones, 0.0)
+    return np.asarray(state.finalize()[0])
+
+  np.testing.assert_array_equal(out(True), 1.0)
+  assert np.all(out(False) != 1.0)
+  spec = validate(*(jnp.zeros((1, 8, 1, 16), jnp.bfloat16),) * 3, cap_method="tanh",
+                  cap_params=(1.0,))[0]
+  assert sums_rounded(spec, jnp.bfloat16)
+  assert not sums_rounded(spec, jnp.float32)
+  assert not sums_rounded(validate(*(jnp.zeros((1, 8, 1, 16), jnp.bfloat16),) * 3)[0],
+                          jnp.bfloat16)

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
 
-from .softmax_state import SoftmaxState
+from .softmax_state import SoftmaxState, sums_rounded
 from .tile_math import (TileMask, dot, fixed_shift, gradient_product, kv_tiles, logits_grad,
                         matmul_operand, positions, probabilities, q_tiles, scaled_back,
                         tile_logits, tile_loop, visible_mask)
@@ -105,7 +105,8 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, o
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
                    *_segment_span(span_ref, qt.start, block_q), delta=qt.offset)
-  state = tile_loop(tiles, body, SoftmaxState.init(block_q, qt.q.shape[-1], shift))
+  state = tile_loop(tiles, body, SoftmaxState.init(
+      block_q, qt.q.shape[-1], shift, sums_rounded(spec, v_ref.dtype)))
   if lse2_low_ref is None:
     out, lse2 = state.finalize()
   else:

@@ -50,11 +50,14 @@ from .mosaic_common import (RingCopy, load_vector, own_tiles, program_spans, pro
 from .kernel_config import MosaicTiles
 from .padding import pad
 from .segment_spans import tile_ranges
-from .softmax_state import SoftmaxState
+from .softmax_state import SoftmaxState, sums_rounded
 from .tile_math import fixed_shift, kv_tiles, tile_loop
 
 # 256 is the largest head dim whose tiles fit the shared memory.
 MAX_HEAD_DIM = 256
+# Columns of the ones tile whose product with P sums P as the tensor cores used
+# it (sums_rounded): wgmma's narrowest N.
+USED_SUM_COLUMNS = 8
 
 
 def unsupported(spec: StaticSpec, dtype) -> str | None:
@@ -82,6 +85,7 @@ class ForwardParams:
   has_temp: bool
   shift: float | None   # tile_math.fixed_shift
   fast_cap: bool
+  rounded_sum: bool     # softmax_state.sums_rounded: out normalised by P @ ones
 
   @property
   def rows(self) -> int:
@@ -91,9 +95,14 @@ class ForwardParams:
 def forward_scratch(p: ForwardParams) -> list:
   """The forward kernel's shared memory: Q tiles (which hold O on their way
   out), the K and V rings, the lse rows, then the barriers: Q loaded, K and V
-  loaded per slot, K and V free per slot, the schedule barrier."""
+  loaded per slot, K and V free per slot, the schedule barrier; with
+  ``rounded_sum`` a ones tile per compute warpgroup and its loaded barrier."""
   plgpu = mosaic_common.plgpu()
   swizzled = mosaic_common.swizzled()
+  rounded = [
+      plgpu.SMEM((2, USED_SUM_COLUMNS, p.block_kv), p.dtype, transforms=swizzled),
+      plgpu.Barrier(num_barriers=2),
+  ] if p.rounded_sum else []
   return [
       plgpu.SMEM((2, p.block_q, p.head_dim), p.dtype, transforms=swizzled),
       plgpu.SMEM((p.stages, p.block_kv, p.head_dim), p.dtype, transforms=swizzled),
@@ -105,14 +114,16 @@ def forward_scratch(p: ForwardParams) -> list:
       plgpu.Barrier(num_arrivals=2, num_barriers=p.stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=p.stages),
       plgpu.Barrier(num_arrivals=2),
+      *rounded,
   ]
 
 
 def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, temp_ref,
-                   out_ref, lse_ref, q_smem2, k_smem, v_smem, lse_smem2,
-                   q_loaded, k_loaded, v_loaded, k_free, v_free, schedule):
+                   ones_ref, out_ref, lse_ref, q_smem2, k_smem, v_smem, lse_smem2,
+                   q_loaded, k_loaded, v_loaded, k_free, v_free, schedule, *rounded):
   """One program: warpgroups 0 and 1 compute (_forward_compute), 2 streams the
-  key and value tiles of the hull of their ranges (producer_ring)."""
+  key and value tiles of the hull of their ranges (producer_ring). ``ones_ref``
+  and ``rounded`` (its tiles and their barrier) only with ``p.rounded_sum``."""
   plgpu = mosaic_common.plgpu()
   bi = lax.axis_index("batch")
   h = lax.axis_index("heads")
@@ -126,8 +137,14 @@ def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, te
 
   @pl.when(wg < 2)
   def _compute():
+    ones_smem = None
+    if p.rounded_sum:
+      ones_smem2, ones_loaded = rounded
+      ones_smem = ones_smem2.at[wg]
+      plgpu.copy_gmem_to_smem(ones_ref, ones_smem, ones_loaded.at[wg])
+      plgpu.barrier_wait(ones_loaded.at[wg])
     _forward_compute(p, ring, q_ref, seg_ref, temp_ref, out_ref, lse_ref,
-                     q_smem2.at[wg], lse_smem2.at[wg], q_loaded.at[wg],
+                     q_smem2.at[wg], lse_smem2.at[wg], q_loaded.at[wg], ones_smem,
                      bi, h, tile, wg, own_span, own_uniform)
 
   @pl.when(wg == 2)
@@ -155,8 +172,8 @@ class _Ring(NamedTuple):
 
 
 def _forward_compute(p: ForwardParams, ring: _Ring, q_ref, seg_ref, temp_ref, out_ref,
-                     lse_ref, q_smem, lse_smem, q_loaded, bi, h, tile, wg, own_span,
-                     own_uniform):
+                     lse_ref, q_smem, lse_smem, q_loaded, ones_smem, bi, h, tile, wg,
+                     own_span, own_uniform):
   """Compute warpgroup ``wg``: the online softmax of its block_q rows over its
   own key tiles, draining the program's tiles outside them."""
   plgpu = mosaic_common.plgpu()
@@ -183,13 +200,16 @@ def _forward_compute(p: ForwardParams, ring: _Ring, q_ref, seg_ref, temp_ref, ou
     return carry
 
   def visit(kb, state, masked):
-    return _forward_step(p, ring, q_smem, seg_ref, bi, q_start, q_temp, kb, state, masked)
+    return _forward_step(p, ring, q_smem, ones_smem, seg_ref, bi, q_start, q_temp, kb,
+                         state, masked)
 
   state = SoftmaxState(
       plgpu.layout_cast(jnp.full((block_q,), -jnp.inf if p.shift is None else p.shift,
                                  jnp.float32), row_layout),
       plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout),
-      plgpu.layout_cast(jnp.zeros((block_q, p.head_dim), jnp.float32), plgpu.Layout.WGMMA))
+      plgpu.layout_cast(jnp.zeros((block_q, p.head_dim), jnp.float32), plgpu.Layout.WGMMA),
+      plgpu.layout_cast(jnp.zeros((block_q, USED_SUM_COLUMNS), jnp.float32),
+                        plgpu.Layout.WGMMA) if p.rounded_sum else None)
   tiles = own_tiles(kv_tiles(
       p.spec_padded, q_start, block_q, block_kv, p.padded,
       own_span, own_uniform), ring.lo, ring.hi)
@@ -216,11 +236,13 @@ def _schedule_sync(schedule):
   plgpu.barrier_wait(schedule)
 
 
-def _forward_step(p: ForwardParams, ring: _Ring, q_smem, seg_ref, bi, q_start, q_temp, kb,
-                  state, masked):
-  """One key tile: s = Q K^T, the online softmax step, acc += p V; the
-  schedule barrier between the two matmuls hands the tensor cores to the other
-  compute warpgroup."""
+def _forward_step(p: ForwardParams, ring: _Ring, q_smem, ones_smem, seg_ref, bi, q_start,
+                  q_temp, kb, state, masked):
+  """One key tile: s = Q K^T, the online softmax step, acc += p V (and, with
+  ``rounded_sum``, l_used += p @ ones on the tensor cores: the rounded row sum
+  at 8 columns against P @ V's head_dim, not a second cross-lane sum per tile,
+  whose cost docs/DEFECTS.md, B33, measured); the schedule barrier between the
+  two matmuls hands the tensor cores to the other compute warpgroup."""
   plgpu = mosaic_common.plgpu()
   s = ring_slot(kb, ring.lo, p.stages)
   plgpu.barrier_wait(ring.k_loaded.at[s])
@@ -236,17 +258,21 @@ def _forward_step(p: ForwardParams, ring: _Ring, q_smem, seg_ref, bi, q_start, q
                        seg_ref=seg_ref, batch=bi, padded=p.padded, fast_cap=p.fast_cap)
   m, l, correction, probs = state.step(logits, p.shift)
   acc = state.rescaled_acc(correction)
+  used = state.rescaled_used(correction)
   probs = probs.astype(p.dtype)
   plgpu.barrier_arrive(ring.schedule)
   plgpu.barrier_wait(ring.v_loaded.at[s])
   plgpu.barrier_wait(ring.schedule)
 
-  def pv(acc_ref):
-    plgpu.wgmma(acc_ref, probs, ring.v_smem.at[s])
+  def pv(acc_refs):
+    plgpu.wgmma(acc_refs[0], probs, ring.v_smem.at[s])
+    if used is not None:
+      plgpu.wgmma(acc_refs[1], probs, ones_smem.transpose((1, 0)))
 
-  acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+  accs = pl.run_state(pv)(tuple(plgpu.ACC.init(x) for x in (acc, used) if x is not None))
+  acc, used = accs if used is not None else (accs[0], None)
   plgpu.barrier_arrive(ring.v_free.at[s])
-  return SoftmaxState(m, l, acc)
+  return SoftmaxState(m, l, acc, used)
 
 
 def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_cap: bool):
@@ -265,12 +291,14 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       spec_padded=dataclasses.replace(spec, seq_len=seq_pad),
       dtype=dtype, block_q=tiles.block_q, block_kv=tiles.block_kv, head_dim=head_dim,
       stages=min(tiles.stages, seq_pad // tiles.block_kv), padded=seq_pad != t,
-      has_temp=has_temp, shift=fixed_shift(spec, dtype, has_temp), fast_cap=fast_cap)
+      has_temp=has_temp, shift=fixed_shift(spec, dtype, has_temp), fast_cap=fast_cap,
+      rounded_sum=sums_rounded(spec, dtype))
 
   q, k, v = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
   spans = tile_ranges(seg, seq_pad, p.block_q) if has_seg else None
   seg = pad(seg, {1: seq_pad}) if has_seg else None
   temp = pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad}) if has_temp else None
+  ones = jnp.ones((USED_SUM_COLUMNS, p.block_kv), dtype) if p.rounded_sum else None
   call = mosaic_common.warp_specialized_call(
       functools.partial(forward_kernel, p),
       spec=spec, fast_cap=fast_cap,
@@ -282,5 +310,5 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       kernel_name="ua_forward_mosaic",
   )
   with fast_math.native("mosaic"):
-    out, lse2 = call(q, k, v, seg, spans, temp)
+    out, lse2 = call(q, k, v, seg, spans, temp, ones)
   return out[:, :t, :, :d], lse2[:, :, :t]

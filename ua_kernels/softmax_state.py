@@ -15,22 +15,27 @@ class SoftmaxState(NamedTuple):
   """Running row max ``m``, row sum ``l`` and unnormalised output ``acc``.
 
   Rows that have seen no visible key keep ``m = -inf`` and ``l = 0``; the
-  updates guard those so an all-masked row never produces NaN.
+  updates guard those so an all-masked row never produces NaN. ``l_used``
+  (None unless ``sums_rounded``) sums the probabilities as the P @ V product
+  used them, rounded to the values' dtype: the output is normalised by it,
+  the lse by ``l``. It is a row vector, or (Mosaic) an accumulator of P @ ones
+  whose columns are equal, which ``finalize`` reads through ``used_sum``.
   """
 
   m: jax.Array    # [block_q] float32
   l: jax.Array    # [block_q] float32
   acc: jax.Array  # [block_q, head_dim] float32
+  l_used: jax.Array | None = None  # [block_q] or [block_q, columns] float32
 
   @classmethod
-  def init(cls, block_q: int, head_dim: int, fixed_shift: float | None = None
-           ) -> "SoftmaxState":
+  def init(cls, block_q: int, head_dim: int, fixed_shift: float | None = None,
+           rounded_sum: bool = False) -> "SoftmaxState":
     """An empty state; with a ``fixed_shift`` (tile_math.fixed_shift) ``m``
-    holds that shift throughout."""
+    holds that shift throughout; ``rounded_sum`` (sums_rounded) keeps ``l_used``."""
     m = -jnp.inf if fixed_shift is None else fixed_shift
-    return cls(jnp.full((block_q,), m, jnp.float32),
-               jnp.zeros((block_q,), jnp.float32),
-               jnp.zeros((block_q, head_dim), jnp.float32))
+    zeros = jnp.zeros((block_q,), jnp.float32)
+    return cls(jnp.full((block_q,), m, jnp.float32), zeros,
+               jnp.zeros((block_q, head_dim), jnp.float32), zeros if rounded_sum else None)
 
   def step(self, logits: Logits, fixed_shift: float | None = None):
     """One key tile's softmax part: (m, l, correction, p), where the new
@@ -50,11 +55,27 @@ class SoftmaxState(NamedTuple):
              ) -> "SoftmaxState":
     """Folds in one key tile: its masked logits (-inf where hidden), values."""
     m, l, correction, p = self.step(logits, fixed_shift)
-    return SoftmaxState(m, l, self.rescaled_acc(correction) + dot(p.astype(v.dtype), v))
+    p = p.astype(v.dtype)
+    l_used = None
+    if self.l_used is not None:
+      l_used = (jnp.sum(p.astype(jnp.float32), axis=1)
+                + _rescaled(correction, self.l_used))
+    return SoftmaxState(m, l, self.rescaled_acc(correction) + dot(p, v), l_used)
 
   def rescaled_acc(self, correction):
     """The accumulator times step's per-row correction (None: unchanged)."""
-    return self.acc if correction is None else along_rows(correction, self.acc) * self.acc
+    return _rescaled(correction, self.acc)
+
+  def rescaled_used(self, correction):
+    """``l_used`` times step's per-row correction (None: unchanged, or no l_used)."""
+    return None if self.l_used is None else _rescaled(correction, self.l_used)
+
+  def used_sum(self):
+    """``l_used`` as a row vector (None without it): an accumulator's columns
+    are equal, and their max is any of them, exactly."""
+    if self.l_used is None or self.l_used.ndim == 1:
+      return self.l_used
+    return jnp.max(self.l_used, axis=1)
 
   def finalize(self, with_low: bool = False):
     """Returns (out, lse2), lse2 the log-sum-exp in base 2 (what the backward
@@ -71,10 +92,12 @@ class SoftmaxState(NamedTuple):
     last place, past its tolerance (docs/DEFECTS.md, D32)."""
     has_key = self.l > 0
     l_safe = jnp.where(has_key, self.l, 1.0)
+    used = self.used_sum()
+    used = l_safe if used is None else jnp.where(has_key, used, 1.0)
     # A reciprocal per row, not a division per element: on the H200 the same
     # time and the same bits (docs/BENCHMARKS.md, "What moved the forward");
     # the benchmark tables were measured with it.
-    out = self.acc * along_rows(1.0 / l_safe, self.acc)
+    out = self.acc * along_rows(1.0 / used, self.acc)
     log_l = fast_math.log2(l_safe)
     lse2 = jnp.where(has_key, self.m + log_l, -jnp.inf)
     if not with_low:
@@ -82,6 +105,26 @@ class SoftmaxState(NamedTuple):
     m_safe = jnp.where(has_key, self.m, 0.0)  # no -inf - -inf on rows without a key
     low = rounding_error(m_safe, log_l, m_safe + log_l)
     return out, lse2, jnp.where(has_key, low, 0.0)
+
+
+def sums_rounded(spec, value_dtype) -> bool:
+  """Whether the output is normalised by the rounded probabilities' sum.
+
+  P @ V takes P rounded to 16 bits. Under a cap most logits sit on the cap's
+  bounds, a row's probabilities take a few values, each rounded the same way,
+  and dividing by the unrounded sum scaled every element of the row one way:
+  bfloat16 out 0.27-0.42 ulp toward zero on average (docs/DEFECTS.md, B33).
+  Dividing by the sum of what the product used makes the weights sum to one.
+  Without a cap the logits are continuous and the roundings independent
+  (no bias measured there, ties included): the plain call keeps one sum."""
+  return jnp.dtype(value_dtype) != jnp.dtype(jnp.float32) and spec.cap_method != "none"
+
+
+def _rescaled(correction, x):
+  """``x`` ([block_q] or [block_q, n]) times a per-row correction (None: unchanged)."""
+  if correction is None:
+    return x
+  return correction * x if x.ndim == 1 else along_rows(correction, x) * x
 
 
 def rounding_error(a, b, total):
