@@ -168,6 +168,11 @@ MUTANTS = [
            "    scale = jnp.where((big > 1e30) & (big * scale * 2.0 ** k <= _FLOAT16_SAFE),",
            "float16 ds not scaled up into the normal range (small ds round to the subnormal "
            "spacing, one way: a bias)"),
+    Mutant("M34", SOFTMAX_STATE,
+           "  return jnp.dtype(value_dtype) != jnp.dtype(jnp.float32) and spec.cap_method != \"none\"",
+           "  return False",
+           "capped 16-bit output normalised by the unrounded sum of its probabilities (a row "
+           "of a few values rounded alike for P @ V: a bias)"),
     Mutant("M19", SOFTMAX_STATE, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
            "no guard for rows whose keys in a tile are all hidden (NaN)"),
     # --- defects small in max-abs error (docs/TOLERANCES.md, "Exact mask") ---

@@ -55,12 +55,12 @@ class SoftmaxState(NamedTuple):
              ) -> "SoftmaxState":
     """Folds in one key tile: its masked logits (-inf where hidden), values."""
     m, l, correction, p = self.step(logits, fixed_shift)
-    p = p.astype(v.dtype)
+    acc = self.rescaled_acc(correction) + dot(p.astype(v.dtype), v)
     l_used = None
     if self.l_used is not None:
-      l_used = (jnp.sum(p.astype(jnp.float32), axis=1)
+      l_used = (jnp.sum(p.astype(v.dtype).astype(jnp.float32), axis=1)
                 + _rescaled(correction, self.l_used))
-    return SoftmaxState(m, l, self.rescaled_acc(correction) + dot(p, v), l_used)
+    return SoftmaxState(m, l, acc, l_used)
 
   def rescaled_acc(self, correction):
     """The accumulator times step's per-row correction (None: unchanged)."""
