@@ -223,8 +223,11 @@ def test_tile_ranges_reduce_the_spans_and_runs_of_their_positions(layout, block)
   the hull of the tile's positions' spans and the intersection of their runs
   (empty where that is), padding tiles and tiles straddling the end included."""
   rng = np.random.default_rng(block)
+  # Lengths from a few buckets (off the tile, one tile, under one tile), so that the
+  # layouts and draws reuse the jitted functions' compilations.
+  lengths = (1, 13, 40, 69) if block < 64 else (1, 64, 130, 299)
   for _ in range(12):
-    b, t = int(rng.integers(1, 3)), int(rng.integers(1, 70 if block < 64 else 300))
+    b, t = int(rng.integers(1, 3)), int(rng.choice(lengths))
     seq_pad = -(-t // block) * block + block * int(rng.integers(0, 2))
     seg = {"packed": lambda: np.sort(rng.integers(0, 5, size=(b, t)), axis=1),
            "random": lambda: rng.integers(0, 3, size=(b, t)),
