@@ -28,24 +28,34 @@ from benchmarks.bench import fwd_and_grad_times, provenance
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# (label, B, T, Hq, Hkv, D, causal, tanh cap or 0): the headline shape, plain,
-# causal and capped (the cap is where a change to the softmax step shows most).
+# (label, B, T, Hq, Hkv, D, causal, tanh cap or 0, z-loss weight): the headline
+# shape, plain, causal, capped (the cap is where a change to the softmax step
+# shows most) and with a z-loss (which changes the backward's rounding of ds).
 CASES = (
-    ("full", 4, 4096, 16, 16, 128, False, 0.0),
-    ("causal", 4, 4096, 16, 16, 128, True, 0.0),
-    ("full tanh cap 30", 4, 4096, 16, 16, 128, False, 30.0),
-    ("causal tanh cap 30", 4, 4096, 16, 16, 128, True, 30.0),
+    ("full", 4, 4096, 16, 16, 128, False, 0.0, 0.0),
+    ("causal", 4, 4096, 16, 16, 128, True, 0.0, 0.0),
+    ("full tanh cap 30", 4, 4096, 16, 16, 128, False, 30.0, 0.0),
+    ("causal tanh cap 30", 4, 4096, 16, 16, 128, True, 30.0, 0.0),
+    ("full z-loss 1e-4", 4, 4096, 16, 16, 128, False, 0.0, 1e-4),
+    ("causal z-loss 1e-4", 4, 4096, 16, 16, 128, True, 0.0, 1e-4),
 )
 
 
 def import_revision(rev: str, name: str):
-  """REV's ua_kernels package, imported as ``name`` (its imports are relative)."""
-  archive = subprocess.run(["git", "archive", rev, "ua_kernels"], cwd=_ROOT, check=True,
-                           capture_output=True).stdout
-  root = pathlib.Path(tempfile.mkdtemp(prefix=f"ab-{rev}-"))
-  with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-    tar.extractall(root, filter="data")
+  """REV's ua_kernels package, imported as ``name`` (its imports are relative);
+  REV may also be a directory holding a ua_kernels package (a tree whose
+  commit the machine's clone lacks)."""
+  if pathlib.Path(rev).is_dir():
+    root = pathlib.Path(rev)
+  else:
+    archive = subprocess.run(["git", "archive", rev, "ua_kernels"], cwd=_ROOT, check=True,
+                             capture_output=True).stdout
+    root = pathlib.Path(tempfile.mkdtemp(prefix=f"ab-{rev}-"))
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+      tar.extractall(root, filter="data")
   package = root / "ua_kernels"
+  if not (package / "__init__.py").is_file():
+    raise SystemExit(f"--base {rev}: no ua_kernels package there")
   spec = importlib.util.spec_from_file_location(
       name, package / "__init__.py", submodule_search_locations=[str(package)])
   module = importlib.util.module_from_spec(spec)
@@ -56,7 +66,8 @@ def import_revision(rev: str, name: str):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__)
-  parser.add_argument("--base", required=True, help="git revision to compare against")
+  parser.add_argument("--base", required=True,
+                      help="git revision, or a directory holding ua_kernels, to compare against")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--json", default="ab.json")
@@ -68,13 +79,13 @@ def main(argv=None):
   base = import_revision(options.base, "ua_kernels_base")
   result = {**provenance(argv), "base": options.base, "rows": []}
   dtype = jnp.dtype(options.dtype)
-  for label, b, t, hq, hkv, d, causal, cap in CASES:
+  for label, b, t, hq, hkv, d, causal, cap, z_loss in CASES:
     if options.case and label not in options.case:
       continue
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), dtype) for h in (hq, hkv, hkv))
     kw = dict(causal=causal, cap_method="tanh" if cap else "none",
-              cap_params=(cap,) if cap else ())
+              cap_params=(cap,) if cap else (), z_loss_weight=z_loss)
     fns = {"new": functools.partial(ua_kernels.attention, **kw),
            "base": functools.partial(base.attention, **kw)}
     row = {"case": f"B{b} T{t} H{hq}/{hkv} D{d} {options.dtype} {label}",

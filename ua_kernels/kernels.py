@@ -18,9 +18,10 @@ from jax.experimental import pallas as pl
 from ua_reference.contract import StaticSpec
 
 from .softmax_state import SoftmaxState, sums_rounded
-from .tile_math import (TileMask, dot, fixed_shift, gradient_product, kv_tiles, logits_grad,
-                        matmul_operand, positions, probabilities, q_tiles, scaled_back,
-                        tile_logits, tile_loop, visible_mask)
+from .tile_math import (TileMask, dither_bits, dot, fixed_shift, gradient_product, kv_tiles,
+                        logits_grad, matmul_operand, position_grid, positions, probabilities,
+                        q_tiles, scaled_back, tile_logits, tile_loop, to_operand,
+                        unbiased_roundings, visible_mask)
 
 
 def _segment_tile(seg_ref, start, size):
@@ -126,6 +127,7 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset
   lse2 = lse2_ref[...]
   lse2_low = None if lse2_low_ref is None else lse2_low_ref[...]
   delta = delta_ref[...]
+  unbiased_ds = unbiased_roundings(spec, do.dtype)[1]
 
   def body(kv_block, dq, masked):
     k, logits = _key_tile(spec, qt, k_ref, key_seg_ref, kv_block, block_kv, padded, fast_cap,
@@ -133,7 +135,9 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset
     p = probabilities(logits, lse2, lse2_low)
     dp = dot(do, _value_tile(v_ref, kv_block, block_kv), trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)
-    ds16, back = matmul_operand(ds, k.dtype, axis=1)
+    bits = (dither_bits(*position_grid(ds.shape, qt.start, kv_block * block_kv))
+            if unbiased_ds else None)
+    ds16, back = matmul_operand(ds, k.dtype, axis=1, bits=bits)
     term = gradient_product(ds16, k)
     return dq + scaled_back(term, back)
 
@@ -171,6 +175,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offse
   offset = _offset(offset_ref)
   tiles = q_tiles(spec, k_start, block_q, block_kv, padded,
                   *_segment_span(span_ref, k_start, block_kv), delta=offset)
+  unbiased_p, unbiased_ds = unbiased_roundings(spec, k.dtype)
 
   def add_head_tile(g, q_block, carry, masked):
     """Adds head g's terms of query tile q_block to (dk, dv)."""
@@ -191,10 +196,13 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offse
                           k_seg if by_segment else None, padded=padded, delta=offset)
     logits = tile_logits(spec, q, k, temp, mask, fast_cap)
     p = probabilities(logits, lse2, lse2_low)
-    dv = dv + gradient_product(p.astype(do.dtype), do, trans_a=True)
+    bits = (dither_bits(*position_grid(p.shape, q_start, k_start))
+            if unbiased_p or unbiased_ds else None)
+    dv = dv + gradient_product(to_operand(p, do.dtype, bits if unbiased_p else None), do,
+                               trans_a=True)
     dp = dot(do, v, trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, temp, fast_cap)
-    ds16, back = matmul_operand(ds, q.dtype, axis=0)
+    ds16, back = matmul_operand(ds, q.dtype, axis=0, bits=bits if unbiased_ds else None)
     term = gradient_product(ds16, q, trans_a=True)
     dk = dk + scaled_back(term, back)
     return dk, dv

@@ -261,7 +261,67 @@ def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: 
 _FLOAT16_SAFE = 2.0 ** 15
 
 
-def matmul_operand(ds, dtype, axis: int):
+# Multipliers of the position hash (dither_bits), as int32: 0x9E3779B1, 0x85EBCA77 and
+# 0x2C1B3C6D (the golden ratio's and MurmurHash3's finaliser constants).
+_HASH_Q, _HASH_K, _HASH_MIX = -1640531535, -2048144777, 0x2C1B3C6D
+
+
+def unbiased_roundings(spec: StaticSpec, dtype) -> tuple[bool, bool]:
+  """(P for dv, ds for dq and dk): whether the backward rounds that 16-bit
+  operand without bias (round_unbiased) instead of to nearest.
+
+  Under a cap the logits sit on a few values, so a row's probabilities do too
+  (P = 1/n on every visible key of a saturated document), and under a z-loss on
+  nearly one-hot rows a row's few large ds (w * lse * p) dominate: rounded to
+  nearest, each such value rounds the same way on every element it holds, and
+  dv, dq and dk moved by 0.4-0.9 ulp, one way per case, every element within
+  its bound (docs/DEFECTS.md, B33). Without either the roundings are independent
+  and the plain call keeps round-to-nearest (no bias measured there)."""
+  if jnp.dtype(dtype) == jnp.dtype(jnp.float32):
+    return False, False
+  capped = spec.cap_method != "none"
+  return capped, capped or spec.z_loss_weight != 0.0
+
+
+def dither_bits(q_pos, k_pos):
+  """32 bits per element of a tile (int32) from its query and key position
+  tiles: a multiplicative hash with two xor-shift rounds, wrapping. The same
+  element gets the same bits on either backend and in every run, so gradients
+  stay deterministic and the Mosaic and Triton kernels round alike."""
+  h = q_pos * jnp.int32(_HASH_Q) + k_pos * jnp.int32(_HASH_K)
+  h = h ^ lax.shift_right_logical(h, jnp.int32(15))
+  h = h * jnp.int32(_HASH_MIX)
+  return h ^ lax.shift_right_logical(h, jnp.int32(13))
+
+
+def position_grid(shape, q_start, k_start, query_axis: int = 0):
+  """(query positions, key positions) of every element of a tile of ``shape``
+  whose queries lie along ``query_axis``: dither_bits's arguments (the Mosaic
+  kernels build theirs in wgmma's layout, mosaic_common.position_tiles)."""
+  q_len, k_len = shape if query_axis == 0 else shape[::-1]
+  return (lax.broadcast_in_dim(positions(q_start, q_len), shape, (query_axis,)),
+          lax.broadcast_in_dim(positions(k_start, k_len), shape, (1 - query_axis,)))
+
+
+def round_unbiased(x, dtype, bits):
+  """float32 ``x`` in the 16-bit ``dtype``, rounded away from zero with the
+  probability of the fraction of a unit in the last place it drops (stochastic
+  rounding), with ``bits`` (dither_bits) as the random draw: the expected value
+  is ``x``. The dither goes into the bits rounding drops and those are cleared,
+  so the conversion after it is exact (float16 below its normal range,
+  2^-14, rounds to nearest there). Zeros stay zero, infinities infinite."""
+  drop = 16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 13
+  u = lax.bitcast_convert_type(x, jnp.int32)
+  u = (u + lax.shift_right_logical(bits, jnp.int32(32 - drop))) & jnp.int32(-(1 << drop))
+  return lax.bitcast_convert_type(u, jnp.float32).astype(dtype)
+
+
+def to_operand(x, dtype, bits=None):
+  """x in the matmul dtype: round_unbiased with ``bits``, else to nearest."""
+  return x.astype(dtype) if bits is None else round_unbiased(x, dtype, bits)
+
+
+def matmul_operand(ds, dtype, axis: int, bits=None):
   """(ds in the matmul dtype ``dtype``, the per-slice factor of the product or None).
 
   The gradient tiles ds = p * (dp - delta) * temperature * sm_scale feed the
@@ -276,9 +336,10 @@ def matmul_operand(ds, dtype, axis: int):
   keys-by-queries tile: axis 1) is scaled by a power of two, exactly, that
   brings its largest |ds| into (2^14, 2^15] (a slice of zeros, and one below
   2^-48, which 2^63 cannot lift, stay below), and the caller scales that row of
-  the product back. Selects, not log2: a handful of per-slice operations."""
+  the product back. Selects, not log2: a handful of per-slice operations.
+  ``bits`` (dither_bits): rounded without bias (unbiased_roundings)."""
   if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
-    return ds.astype(dtype), None
+    return to_operand(ds, dtype, bits), None
   big = jnp.max(jnp.abs(ds), axis=axis)
   scale = jnp.ones_like(big)
   # The smallest power-of-two scale-down that brings big to 2^15: each step
@@ -291,7 +352,7 @@ def matmul_operand(ds, dtype, axis: int):
     scale = jnp.where((big > 0) & (big * scale * 2.0 ** k <= _FLOAT16_SAFE),
                       scale * 2.0 ** k, scale)
   scaled = ds * lax.broadcast_in_dim(scale, ds.shape, (1 - axis,))
-  return scaled.astype(dtype), 1.0 / scale
+  return to_operand(scaled, dtype, bits), 1.0 / scale
 
 
 def scaled_back(term, back):
