@@ -173,6 +173,10 @@ MUTANTS = [
            "  return False",
            "capped 16-bit output normalised by the unrounded sum of its probabilities (a row "
            "of a few values rounded alike for P @ V: a bias)"),
+    Mutant("M35", TILE_MATH, "  return capped, capped or spec.z_loss_weight != 0.0",
+           "  return False, False",
+           "backward's 16-bit P and ds rounded to nearest under a cap or a z-loss (a row of "
+           "equal values rounded alike: a bias)"),
     Mutant("M19", SOFTMAX_STATE, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
            "no guard for rows whose keys in a tile are all hidden (NaN)"),
     # --- defects small in max-abs error (docs/TOLERANCES.md, "Exact mask") ---
