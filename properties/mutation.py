@@ -191,7 +191,7 @@ MUTANTS = [
            "  o_ref[...] = out.astype(o_ref.dtype)\n",
            "bfloat16 forward outputs rounded toward zero, not to nearest: within one ulp of every "
            "element, every element biased toward zero"),
-    Mutant("S3", TILE_MATH, "  return scaled.astype(dtype), 1.0 / scale",
+    Mutant("S3", TILE_MATH, "  return to_operand(scaled, dtype, bits), 1.0 / scale",
            "  return scaled.astype(jnp.bfloat16).astype(dtype), 1.0 / scale",
            "float16 ds rounded through bfloat16 (3 significand bits fewer): dq and dk errors grow "
            "several-fold, inside the bound", rotates=False),
