@@ -6,15 +6,16 @@ training accumulates).
 Each element is compared with the same-precision reference (ua_reference on
 the case's dtype, computed with the oracle's baseline), projected on the
 float64 oracle's sign and measured in ulps of the output's dtype at the
-oracle's magnitude: negative is toward zero, positive away from it. Against
-the reference, not the oracle: elements that cancel (a gradient of 1e-10
-built of terms of 1) carry float32 accumulation errors of many of their own
-ulps, of a sign the algorithm sets, and exact results (0 on a row of one
-visible key) meet the oracle's float64 noise, of one sign on a case; both
-show in the reference as in any correct implementation, and cancel in the
-difference, which keeps each implementation's own rounding. A correct kernel
-rounds to nearest, as the reference does, so its differences are as often
-negative as positive; the sign test (scipy.stats.binomtest on the counts of
+oracle's magnitude: negative is toward zero, positive away from it. Only
+where the reference is within REFERENCE_WITHIN_ULPS of the oracle, i.e. is
+the oracle's rounding: elements that cancel (a gradient of 1e-10 built of
+terms of 1) carry float32 accumulation errors of many of their own ulps, of a
+sign the algorithm sets; exact results (0 on a row of one visible key) meet
+the oracle's float64 noise, of one sign on a case; a float32 1 - tanh^2 of a
+saturated cap is the reference's own error, which a kernel need not share.
+None of these says which way a kernel rounds. A correct kernel
+rounds to nearest, as the reference does, so its differences are mostly
+none, and as often negative as positive; the sign test (scipy.stats.binomtest on the counts of
 rows of each sign beyond DEAD_ZONE_ULPS: a row's elements share its factors)
 finds a shift, and an effect floor on the
 mean difference, clipped to one ulp per element (BIAS_FLOOR_ULPS), keeps a
@@ -38,6 +39,9 @@ _MIN_EXPONENT = {"float32": -126, "bfloat16": -126, "float16": -14, "float64": -
 # rounding toward zero gives -0.42 to -0.5 against the reference (docs/TOLERANCES.md, "Bias").
 BIAS_FLOOR_ULPS = 0.1
 CASE_BIAS_FLOOR_ULPS = 0.35
+# Elements whose same-precision reference is further than this from the oracle
+# are not measured (signed_ulps): the reference's rounding is no baseline there.
+REFERENCE_WITHIN_ULPS = 1.0
 # Differences within this many ulps count as none, of neither sign.
 DEAD_ZONE_ULPS = 2.0 ** -6
 # Judged: outputs returned in 16-bit dtypes, whose error is the final rounding
@@ -60,7 +64,7 @@ def signed_ulps(got, oracle, dtype: str, reference=None) -> np.ndarray:
   """(got - reference) * sign(oracle) in ulps of ``dtype`` at |oracle| (the
   reference defaults to the oracle), in the oracle's shape; NaN where an
   element is not measured: the oracle not finite or zero, the others not
-  finite."""
+  finite, or the reference more than REFERENCE_WITHIN_ULPS from the oracle."""
   oracle = np.asarray(oracle, np.float64)
   got = np.asarray(got, np.float64).reshape(oracle.shape)
   reference = oracle if reference is None else np.asarray(reference, np.float64).reshape(
@@ -69,6 +73,7 @@ def signed_ulps(got, oracle, dtype: str, reference=None) -> np.ndarray:
   with np.errstate(divide="ignore", invalid="ignore"):
     exponent = np.maximum(np.floor(np.log2(np.abs(oracle))), _MIN_EXPONENT[dtype])
     ulp = np.exp2(exponent - _SIGNIFICAND[dtype])
+    keep &= np.abs(reference - oracle) <= REFERENCE_WITHIN_ULPS * ulp
     return np.where(keep, (got - reference) * np.sign(oracle) / ulp, np.nan)
 
 

@@ -107,15 +107,30 @@ def test_a_rows_shared_sign_is_one_draw_per_row():
   elements, all away from zero, on the H200; docs/TOLERANCES.md, "Bias"). Two
   rows are two draws, not 128; 200 rows all toward zero are a bias."""
   k = RNG.normal(size=(2, 64))
-  oracle = 1e-17 * np.sign(k)
-  got = 3e-7 * np.sign(k)  # the same shift, away from zero, on every element
-  ulps = signed_ulps(got, oracle, "bfloat16", reference=np.zeros_like(oracle))
+  oracle = 1e-7 * np.sign(k)
+  got = oracle * (1 + 2.0 ** -8)  # one ulp away from zero, on every element of two rows
+  ulps = signed_ulps(got, oracle, "bfloat16", reference=oracle)
   stats = BiasStats.of(ulps)
   assert (stats.above, stats.rows_above) == (128, 2)
   assert not verdicts({"dq": stats}, floor=0.35)["dq"]["biased"]
   oracle = RNG.normal(size=(200, 64))
   stats = BiasStats.of(signed_ulps(_rounded(oracle, True), oracle, "bfloat16"))
   assert stats.rows_below == 200 and verdicts({"dv": stats}, floor=0.35)["dv"]["biased"]
+
+
+def test_an_element_the_reference_misses_is_not_measured():
+  """Where the same-precision reference is itself more than an ulp from the
+  oracle, its value is its own arithmetic error, not a rounding: a saturated
+  tanh cap's 1 - tanh^2 is 0 in a kernel and a float32 remnant in a float32
+  reference, while the oracle's is 1e-14. Every such element is left out; an
+  element the reference rounds is measured."""
+  oracle = 1e-7 * np.sign(RNG.normal(size=(300, 16)))
+  reference = oracle * (1 + 2.0 ** -5)  # four bfloat16 ulps off
+  stats = BiasStats.of(signed_ulps(np.zeros_like(oracle), oracle, "bfloat16", reference))
+  assert stats.n == 0 and not verdicts({"dq": stats}, floor=0.35)["dq"]["biased"]
+  near = oracle * (1 + 2.0 ** -9)  # half an ulp: the reference rounds there
+  stats = BiasStats.of(signed_ulps(_rounded(oracle, True), oracle, "bfloat16", near))
+  assert stats.n == oracle.size and verdicts({"dq": stats}, floor=0.35)["dq"]["biased"]
 
 
 def test_a_baseline_of_another_tolerance_model_is_refused(tmp_path):

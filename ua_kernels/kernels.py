@@ -135,7 +135,7 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset
     p = probabilities(logits, lse2, lse2_low)
     dp = dot(do, _value_tile(v_ref, kv_block, block_kv), trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)
-    bits = (dither_bits(*position_grid(ds.shape, qt.start, kv_block * block_kv))
+    bits = (dither_bits(*position_grid(ds.shape, qt.start, kv_block * block_kv), 1)
             if unbiased_ds else None)
     ds16, back = matmul_operand(ds, k.dtype, axis=1, bits=bits)
     term = gradient_product(ds16, k)
@@ -196,13 +196,13 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offse
                           k_seg if by_segment else None, padded=padded, delta=offset)
     logits = tile_logits(spec, q, k, temp, mask, fast_cap)
     p = probabilities(logits, lse2, lse2_low)
-    bits = (dither_bits(*position_grid(p.shape, q_start, k_start))
-            if unbiased_p or unbiased_ds else None)
-    dv = dv + gradient_product(to_operand(p, do.dtype, bits if unbiased_p else None), do,
-                               trans_a=True)
+    grid = position_grid(p.shape, q_start, k_start) if unbiased_p or unbiased_ds else None
+    dv = dv + gradient_product(
+        to_operand(p, do.dtype, dither_bits(*grid, 0) if unbiased_p else None), do, trans_a=True)
     dp = dot(do, v, trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, temp, fast_cap)
-    ds16, back = matmul_operand(ds, q.dtype, axis=0, bits=bits if unbiased_ds else None)
+    ds16, back = matmul_operand(ds, q.dtype, axis=0,
+                                bits=dither_bits(*grid, 1) if unbiased_ds else None)
     term = gradient_product(ds16, q, trans_a=True)
     dk = dk + scaled_back(term, back)
     return dk, dv

@@ -342,7 +342,7 @@ def _dq_step(p: BackwardParams, ring: _KeyRing, q_own, do_own, part, seg_ref, bi
                        seg_ref=seg_ref, batch=bi, padded=p.padded, fast_cap=p.fast_cap)
   probs = probabilities(logits, lse2_q)
   ds = logits_grad(p.spec, probs, dp, delta_q, logits, temp_q, p.fast_cap)
-  bits = (dither_bits(*position_tiles(ds.shape, q_start, kb * shape.block_kv, 0))
+  bits = (dither_bits(*position_tiles(ds.shape, q_start, kb * shape.block_kv, 0), 1)
           if unbiased_roundings(p.spec, shape.dtype)[1] else None)
   ds16, back = matmul_operand(ds, shape.dtype, axis=1, bits=bits)
   dq = _accumulate(dq, ds16, _ring_columns(ring.k_smem, s, part, shape.half), back)
@@ -509,12 +509,14 @@ def _dkv_step(p: BackwardParams, ring: _QueryRing, k_own, v_own, part, seg_ref, 
                        query_axis=1)
   p_t = probabilities(logits, lse2_q)
   unbiased_p, unbiased_ds = unbiased_roundings(p.spec, shape.dtype)
-  bits = (dither_bits(*position_tiles(p_t.shape, q_start, k_start, 1))
-          if unbiased_p or unbiased_ds else None)
-  dv = _accumulate(dv, to_operand(p_t, shape.dtype, bits if unbiased_p else None),
+  grid = (position_tiles(p_t.shape, q_start, k_start, 1) if unbiased_p or unbiased_ds
+          else None)
+  dv = _accumulate(dv, to_operand(p_t, shape.dtype,
+                                  dither_bits(*grid, 0) if unbiased_p else None),
                    _ring_columns(ring.do_smem, s, part, shape.half), None)
   ds_t = logits_grad(p.spec, p_t, dp_t, delta_q, logits, temp_q, p.fast_cap)
-  ds16, back = matmul_operand(ds_t, shape.dtype, axis=1, bits=bits if unbiased_ds else None)
+  ds16, back = matmul_operand(ds_t, shape.dtype, axis=1,
+                              bits=dither_bits(*grid, 1) if unbiased_ds else None)
   dk = _accumulate(dk, ds16, _ring_columns(ring.q_smem, s, part, shape.half), back)
   plgpu.barrier_arrive(ring.q_free.at[s])
   return dk, dv

@@ -261,9 +261,9 @@ def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: 
 _FLOAT16_SAFE = 2.0 ** 15
 
 
-# Multipliers of the position hash (dither_bits), as int32: 0x9E3779B1, 0x85EBCA77 and
-# 0x2C1B3C6D (the golden ratio's and MurmurHash3's finaliser constants).
-_HASH_Q, _HASH_K, _HASH_MIX = -1640531535, -2048144777, 0x2C1B3C6D
+# The R2 lattice's multipliers as 32-bit fractions (0xC13FA9A9, 0x91E10DA5, i.e.
+# 2^32 / phi_2 and 2^32 / phi_2^2, phi_2 the plastic number), as int32: dither_bits.
+_LATTICE = (-1052792407, -1847521883)
 
 
 def unbiased_roundings(spec: StaticSpec, dtype) -> tuple[bool, bool]:
@@ -283,15 +283,18 @@ def unbiased_roundings(spec: StaticSpec, dtype) -> tuple[bool, bool]:
   return capped, capped or spec.z_loss_weight != 0.0
 
 
-def dither_bits(q_pos, k_pos):
+def dither_bits(q_pos, k_pos, operand: int):
   """32 bits per element of a tile (int32) from its query and key position
-  tiles: a multiplicative hash with two xor-shift rounds, wrapping. The same
-  element gets the same bits on either backend and in every run, so gradients
-  stay deterministic and the Mosaic and Triton kernels round alike."""
-  h = q_pos * jnp.int32(_HASH_Q) + k_pos * jnp.int32(_HASH_K)
-  h = h ^ lax.shift_right_logical(h, jnp.int32(15))
-  h = h * jnp.int32(_HASH_MIX)
-  return h ^ lax.shift_right_logical(h, jnp.int32(13))
+  tiles: the top bits of frac(q * a + k * b), a two-dimensional Weyl lattice
+  (R2), so that along every row and every column (the sums of the backward's
+  products) the draws are spread evenly over [0, 1), and a constant value
+  rounds up in the share of its elements its fraction of an ulp says. Two
+  multiply-adds per element, next to the tile's dozen float operations
+  (docs/DEFECTS.md, B33, gives the cost). ``operand`` 0 (P) and 1 (ds) swap a and b:
+  the two roundings of one element are drawn apart, and neither tile is kept
+  live for the other. Deterministic, and the same on either backend."""
+  a, b = _LATTICE if operand == 0 else _LATTICE[::-1]
+  return q_pos * jnp.int32(a) + k_pos * jnp.int32(b)
 
 
 def position_grid(shape, q_start, k_start, query_axis: int = 0):
