@@ -82,28 +82,3 @@ def approx_tanh(x):
   if _NATIVE.get() == "mosaic":
     return jnp.tanh(x)  # tanh.approx.f32: the kernel is built with approx_math
   return jnp.tanh(x).astype(jnp.float16).astype(jnp.float32)
-
-
-def reciprocal(x):
-  """1/x in float32: PTX ``rcp.approx.ftz.f32`` on Triton (one
-  multi-function-unit operation, within an ulp or so, where a division is a
-  dozen instructions), a division elsewhere."""
-  if _NATIVE.get() == "triton" and x.dtype == jnp.float32:
-    [result] = pltriton.elementwise_inline_asm(
-        "rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct.like(x)])
-    return result
-  return 1.0 / x
-
-
-def tanh_complement(x):
-  """1 - tanh(x)^2 in float32, within 4e-6 relative for |x| up to 50 (the
-  rounding of exp2's argument), as 4e / (1 + e)^2 with e = exp(-2|x|). 1 - t^2 of the fast tanh cancels: its t
-  is within 2^-11 of 1 above |x| = 4, where the derivative is below 1.3e-3,
-  and on the H200 it gave dq and dk of a saturated bfloat16 case exactly 0
-  where the float32 reference rounds the oracle's nonzero value
-  (docs/DEFECTS.md, B34). One exp2 and one reciprocal more than 1 - t^2, in
-  the backward only."""
-  e = exp2(jnp.abs(x.astype(jnp.float32)) * (-2.0 * _LOG2E))
-  r = reciprocal(1.0 + e)
-  return 4.0 * e * r * r

@@ -117,17 +117,13 @@ def get_cap_method(name: str) -> CapMethod:
     ) from None
 
 
-def _tanh_family(tanh, complement=None):
+def _tanh_family(tanh):
   """(forward, derivative) of c*tanh(x/c) in terms of (x, c, 1/c): a multiply
-  by a constant reciprocal, not a division per element. The derivative is
-  ``complement(x/c)``, 1 - tanh(x/c)^2, where one is given, else 1 - t*t of
-  ``tanh``'s t."""
+  by a constant reciprocal, not a division per element."""
   def forward(x, c, inv_c):
     return c * tanh(x * inv_c)
 
   def derivative(x, c, inv_c):
-    if complement is not None:
-      return complement(x * inv_c)
     t = tanh(x * inv_c)
     return 1.0 - t * t
 
@@ -147,18 +143,16 @@ def _two_sided(fn: CapFn) -> CapFn:
   return method
 
 
-def tanh_cap(tanh, complement=None) -> tuple[CapFn, CapFn]:
+def tanh_cap(tanh) -> tuple[CapFn, CapFn]:
   """(forward, derivative) of the ``tanh`` cap, c*tanh(x/c), built on the given
-  tanh function (and, if given, ``complement``(y) = 1 - tanh(y)^2 for the
-  derivative); implementations build faster forms from it with their own."""
-  forward, derivative = _tanh_family(tanh, complement)
+  tanh function; implementations build faster forms from it with their own tanh."""
+  forward, derivative = _tanh_family(tanh)
   return _one_sided(forward), _one_sided(derivative)
 
 
-def asym_tanh_cap(tanh, complement=None) -> tuple[CapFn, CapFn]:
-  """(forward, derivative) of the ``asym_tanh`` cap built on the given tanh
-  (and complement, as tanh_cap)."""
-  forward, derivative = _tanh_family(tanh, complement)
+def asym_tanh_cap(tanh) -> tuple[CapFn, CapFn]:
+  """(forward, derivative) of the ``asym_tanh`` cap built on the given tanh."""
+  forward, derivative = _tanh_family(tanh)
   return _two_sided(forward), _two_sided(derivative)
 
 
