@@ -67,7 +67,7 @@ def test_a_crashing_case_is_reported_and_the_run_goes_on(tmp_path):
 
 def test_a_hanging_case_is_ended_by_its_timeout(tmp_path):
   proc, report = run_suite(tmp_path, "outside_kernels:hanging_attention", "-n", "1",
-                           "--ua-case-timeout=30", "-k",
+                           "--ua-case-timeout=10", "-k",
                            "matches_oracle and float32 and not cap and not mask and not long")
   assert proc.returncode == 1
   assert [c["status"] for c in report["crashed"]] == ["timeout"], report
