@@ -151,6 +151,27 @@ def test_a_time_box_starts_one_test_of_every_property_first(profile):
   assert all(t.chunk > 0 for t in tests[len(first):])
 
 
+def test_the_first_round_spreads_each_propertys_tests_through_it():
+  """pytest-xdist starts a time box's first round in order, its last tests when
+  the box is nearly spent: each property's tests are spread through the round
+  (a property of four tests has one in each quarter), not left at its end,
+  where the hidden-key property's focused tests ran one case each on the H200."""
+  from properties.plugin import first_round_size, property_tests
+  from properties.profiles import PROFILES
+
+  gpu = PROFILES["gpu"]
+  size = first_round_size(gpu)
+  first = property_tests(gpu)[:size]
+  for name in gpu.chunked_properties:
+    at = [i for i, t in enumerate(first) if t.property == name]
+    assert len(at) == 4
+    assert [i * 4 // size for i in at] == [0, 1, 2, 3], (name, at)
+  oracle_at = [i for i, t in enumerate(first) if t.property == "matches_oracle"]
+  assert oracle_at[0] == 0 and oracle_at[-1] >= size - 3  # most tests: at both ends
+  long_at = [i for i, t in enumerate(first) if t.focus == "long"]
+  assert max(long_at) < size // 4  # the slowest cases start early
+
+
 @pytest.mark.parametrize("workers", [1, 2, 3, 8, 16])
 @pytest.mark.parametrize("first_round", [1, 5, 13, 40])
 def test_a_worker_using_each_share_whole_starts_all_its_first_round_tests(workers, first_round):
