@@ -56,6 +56,14 @@ PEER_CONFIGS = {
 }
 PEER_CONFIGS["jax_pallas_triton_nocap"] = PEER_CONFIGS["jax_pallas_triton"]
 PEER_CONFIGS["torch_flex_tanh"] = PEER_CONFIGS["torch_flex"]
+# tokamax's Mosaic GPU kernel (properties/impls_tokamax.py), where it is
+# installed (docs/PEERS.md says how): at its own choice of config (on an H200
+# its heuristics: its autotuning cache is keyed by device kind and holds the
+# H100 only) and at the configs that cache records as the H100's fastest.
+PEER_CONFIGS["tokamax"] = {"implementation": "tokamax 0.0.17 Mosaic GPU (sm90)",
+                           "config": "tokamax's own (heuristics on an H200)"}
+PEER_CONFIGS["tokamax[h100_best]"] = {"implementation": PEER_CONFIGS["tokamax"]["implementation"],
+                                      "config": "impls_tokamax.h100_best_config"}
 
 
 def _git_commit():
@@ -188,7 +196,24 @@ def peers(causal, window, cap, doc_len, hq, hkv):
       p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
       return jnp.einsum("bhqk,bkhd->bqhd", p, v)
     out["jnp_tanh_cap"] = jnp_cap
+  if plain:
+    out.update(tokamax_peers(causal, cap))
   return out
+
+
+def tokamax_peers(causal, cap) -> dict:
+  """name -> attention(q, k, v) of tokamax at its PEER_CONFIGS, or none where
+  tokamax is not installed."""
+  try:
+    from properties import impls_tokamax
+    impls_tokamax.install_xprof_stub()
+    import tokamax  # noqa: F401
+  except ImportError:
+    return {}
+  kw = dict(causal=causal, cap_method="tanh" if cap else "none", cap_params=(cap,) if cap else ())
+  return {"tokamax": functools.partial(impls_tokamax.tokamax_attention, **kw),
+          "tokamax[h100_best]": functools.partial(impls_tokamax.tokamax_attention,
+                                                  config="h100_best", **kw)}
 
 
 def torch_flex(b, t, h, d, causal, cap, repeats, dtype="bfloat16"):
@@ -416,7 +441,7 @@ def print_target_ratios(rows):
   """The targets as ratios within this run (peer time / ours: above 1, ours is
   faster), each against a peer timed in the same round-robin group: JAX's
   Pallas-Triton kernel (for a tanh cap, its no-cap kernel), FlexAttention-tanh,
-  and cuDNN; for a tanh-capped configuration, cuDNN's no-cap time of the same
+  tokamax (at both its configs) and cuDNN; for a tanh-capped configuration, cuDNN's no-cap time of the same
   shape (timed in its own group: cuDNN has no cap)."""
   by = {(r["case"], r["impl"]): r for r in rows if "error" not in r}
   for (config, impl), r in sorted(by.items()):
@@ -424,7 +449,8 @@ def print_target_ratios(rows):
       continue
     nocap = " ".join(word for word in config.split() if not word.startswith("tanh"))
     for peer, where in (("jax_pallas_triton", config), ("jax_pallas_triton_nocap", config),
-                        ("torch_flex_tanh", config), ("jax.nn.dpa[cudnn]", nocap)):
+                        ("torch_flex_tanh", config), ("tokamax", config),
+                        ("tokamax[h100_best]", config), ("jax.nn.dpa[cudnn]", nocap)):
       other = by.get((where, peer))
       if other and (peer != "torch_flex_tanh" or "tanh" in config):
         print(f"ratio {config:36} {impl:18} vs {peer:24} "
