@@ -40,9 +40,9 @@ class Mutant:
   rotates: bool = True
 
 
-TILE_MATH, KERNELS, ATTENTION, SOFTMAX_STATE, SEGMENT_SPANS = (
+TILE_MATH, KERNELS, ATTENTION, SOFTMAX_STATE, SEGMENT_SPANS, CAP_FORMS = (
     "ua_kernels/tile_math.py", "ua_kernels/kernels.py", "ua_kernels/attention.py",
-    "ua_kernels/softmax_state.py", "ua_kernels/segment_spans.py")
+    "ua_kernels/softmax_state.py", "ua_kernels/segment_spans.py", "ua_kernels/cap_forms.py")
 
 MUTANTS = [
     # --- the original kernel's defects, re-introduced ---------------------------------------
@@ -177,6 +177,10 @@ MUTANTS = [
            "  return False, False",
            "backward's 16-bit P and ds rounded to nearest under a cap or a z-loss (a row of "
            "equal values rounded alike: a bias)"),
+    Mutant("M36", CAP_FORMS, 'register_fast_form("tanh", *tanh_cap(approx_tanh, tanh_complement))',
+           'register_fast_form("tanh", *tanh_cap(approx_tanh))',
+           "bfloat16 fast tanh cap's derivative as 1 - t^2 of the fast t (0 where the logits "
+           "saturate: dq and dk toward zero)"),
     Mutant("M19", SOFTMAX_STATE, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
            "no guard for rows whose keys in a tile are all hidden (NaN)"),
     # --- defects small in max-abs error (docs/TOLERANCES.md, "Exact mask") ---

@@ -7,7 +7,8 @@ The tanh family's fast form is one ``tanh.approx.f32`` instruction
 (ua_kernels.fast_math, about 2^-11 relative) where an accurate tanh takes two
 multi-function-unit operations per logit on top of the softmax's exp2
 (docs/BENCHMARKS.md, "What moved the forward, measured", says what that
-costs). The kernels declare these forms to the suite (``ua_cap_forms``), which
+costs). Their derivative is not 1 - t^2 of that t, which cancels near
+saturation, but fast_math.tanh_complement. The kernels declare these forms to the suite (``ua_cap_forms``), which
 holds them to properties.cap_checks.FORM_TOLERANCE of the exact ones; the
 bfloat16 properties hold the kernels that use them to the same tolerances as
 everything else.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from ua_reference.caps import CapFn, CapMethod, asym_tanh_cap, get_cap_method, tanh_cap
 
-from .fast_math import approx_tanh
+from .fast_math import approx_tanh, tanh_complement
 
 FAST_FORMS: dict[str, tuple[CapFn, CapFn]] = {}
 
@@ -45,5 +46,5 @@ def fast_forms(name: str) -> tuple[CapFn, CapFn] | None:
   return FAST_FORMS.get(name)
 
 
-register_fast_form("tanh", *tanh_cap(approx_tanh))
-register_fast_form("asym_tanh", *asym_tanh_cap(approx_tanh))
+register_fast_form("tanh", *tanh_cap(approx_tanh, tanh_complement))
+register_fast_form("asym_tanh", *asym_tanh_cap(approx_tanh, tanh_complement))

@@ -117,15 +117,21 @@ def get_cap_method(name: str) -> CapMethod:
     ) from None
 
 
-def _tanh_family(tanh):
+def _one_minus_square(y, t):
+  del y
+  return 1.0 - t * t
+
+
+def _tanh_family(tanh, complement=_one_minus_square):
   """(forward, derivative) of c*tanh(x/c) in terms of (x, c, 1/c): a multiply
-  by a constant reciprocal, not a division per element."""
+  by a constant reciprocal, not a division per element. The derivative is
+  ``complement(y, t)``, 1 - tanh(y)^2 given y = x/c and t = tanh(y)."""
   def forward(x, c, inv_c):
     return c * tanh(x * inv_c)
 
   def derivative(x, c, inv_c):
-    t = tanh(x * inv_c)
-    return 1.0 - t * t
+    y = x * inv_c
+    return complement(y, tanh(y))
 
   return forward, derivative
 
@@ -143,16 +149,18 @@ def _two_sided(fn: CapFn) -> CapFn:
   return method
 
 
-def tanh_cap(tanh) -> tuple[CapFn, CapFn]:
+def tanh_cap(tanh, complement=_one_minus_square) -> tuple[CapFn, CapFn]:
   """(forward, derivative) of the ``tanh`` cap, c*tanh(x/c), built on the given
-  tanh function; implementations build faster forms from it with their own tanh."""
-  forward, derivative = _tanh_family(tanh)
+  tanh function (and ``complement(y, t)``, 1 - tanh(y)^2 from y and its t, for
+  the derivative); implementations build faster forms from it with their own."""
+  forward, derivative = _tanh_family(tanh, complement)
   return _one_sided(forward), _one_sided(derivative)
 
 
-def asym_tanh_cap(tanh) -> tuple[CapFn, CapFn]:
-  """(forward, derivative) of the ``asym_tanh`` cap built on the given tanh."""
-  forward, derivative = _tanh_family(tanh)
+def asym_tanh_cap(tanh, complement=_one_minus_square) -> tuple[CapFn, CapFn]:
+  """(forward, derivative) of the ``asym_tanh`` cap built on the given tanh
+  (and complement, as tanh_cap)."""
+  forward, derivative = _tanh_family(tanh, complement)
   return _two_sided(forward), _two_sided(derivative)
 
 
