@@ -311,6 +311,17 @@ def time_share(seconds_left: float, workers: int, first_round: int, started_here
   return max(seconds_left, 0.0) / rounds
 
 
+def chunked_share(profile, workers: int, box_seconds: float) -> float:
+  """Seconds each first-round test of a chunked property may go on starting
+  cases at least: the profile's ``chunked_box_share`` of the box's
+  worker-seconds, over the property's first-round tests (its first chunk and
+  its focused tests). The gpu profile's 12% of the time gives the exact mask
+  and the hidden-key properties each at least 10% of a campaign's cases
+  (docs/VERIFICATION.md, "Budgets by power")."""
+  tests = 1 + len(profile.chunked_focuses)
+  return profile.chunked_box_share * max(workers, 1) * max(box_seconds, 0.0) / tests
+
+
 def pytest_generate_tests(metafunc):
   if "ua_property_test" in metafunc.fixturenames:
     from . import profiles
@@ -464,6 +475,8 @@ class Suite:
     share = time_share(state.deadline - now, workers, first_round_size(self.profile),
                        state.first_round_started)
     state.first_round_started += 1
+    if test.property in self.profile.chunked_properties:
+      share = max(share, chunked_share(self.profile, workers, state.deadline - state.started))
     return min(state.deadline, now + share)
 
 

@@ -61,16 +61,22 @@ def _x64_on() -> bool:
   return bool(jax.config.jax_enable_x64)
 
 
-def _executable(key, make_fn, args, compiler_options=None):
+def _executable(key, make_fn, args, compiler_options=None, name=None):
   """The compiled executable of ``jax.jit(make_fn())`` on ``args``' shapes,
-  built once per key (the key says what the trace depends on)."""
+  built once per key (the key says what the trace depends on). ``name`` names
+  the function in jax's compile log (JAX_LOG_COMPILES), where a campaign's
+  compile seconds are told apart (docs/VERIFICATION.md, "Where the compile
+  seconds go")."""
   key = key + (_x64_on(),)
   with _EXECUTABLES_LOCK:
     executable = _EXECUTABLES.get(key)
     if executable is not None:
       _EXECUTABLES.move_to_end(key)
       return executable
-  lowered = jax.jit(make_fn()).lower(*args)
+  fn = make_fn()
+  if name:
+    fn.__name__ = fn.__qualname__ = name
+  lowered = jax.jit(fn).lower(*args)
   executable = lowered.compile(compiler_options=compiler_options) if compiler_options \
       else lowered.compile()
   with _EXECUTABLES_LOCK:
@@ -114,11 +120,12 @@ def _forward_fn(impl: Implementation, case: Case):
 
 def _vjp_executable(impl: Implementation, case: Case, args, omit=()):
   return _executable(("vjp", impl, case.static_key(), tuple(omit)),
-                     lambda: _vjp_fn(impl, case, omit), args)
+                     lambda: _vjp_fn(impl, case, omit), args, name="implementation_vjp")
 
 
 def _forward_executable(impl: Implementation, case: Case, args):
-  return _executable(("forward", impl, case.static_key()), lambda: _forward_fn(impl, case), args)
+  return _executable(("forward", impl, case.static_key()), lambda: _forward_fn(impl, case), args,
+                     name="implementation_forward")
 
 
 def _args(inputs: dict, float64: bool):
@@ -169,7 +176,7 @@ def _reference_executable(case: Case, args, float64: bool):
   key = ("reference", with_lse.static_key(), float64,
          tuple(None if a is None else a.shape for a in args))
   return _executable(key, lambda: _vjp_fn(REFERENCE, with_lse), args,
-                     _HARNESS_COMPILER_OPTIONS)
+                     _HARNESS_COMPILER_OPTIONS, "oracle_vjp" if float64 else "reference_vjp")
 
 
 def _reference(case: Case, inputs: dict, float64: bool):

@@ -190,6 +190,21 @@ def test_a_worker_using_each_share_whole_starts_all_its_first_round_tests(worker
   assert now == pytest.approx(box)
 
 
+def test_a_chunked_propertys_first_round_takes_its_share_of_the_box():
+  """The gpu profile's exact-mask and hidden-key properties: their first-round
+  tests together may take 12% of the box's worker-seconds, whatever their turn
+  in the round gives them; no other profile sets a share."""
+  from properties.plugin import chunked_share
+  from properties.profiles import PROFILES
+
+  gpu = PROFILES["gpu"]
+  tests = 1 + len(gpu.chunked_focuses)
+  assert tests == 4
+  assert tests * chunked_share(gpu, 16, 224.0) == pytest.approx(0.12 * 16 * 224.0)
+  assert chunked_share(gpu, 16, 0.0) == 0.0
+  assert all(chunked_share(p, 16, 224.0) == 0.0 for p in PROFILES.values() if p is not gpu)
+
+
 def test_a_short_time_box_starts_each_selected_property(tmp_path):
   """Two properties of the first round under a box shorter than the suite's
   first round: each starts its first case (a test's share bounds only the
