@@ -52,8 +52,9 @@ class Rounding:
   """The errors the logit terms count: ``logit`` the relative error of a
   float32 dot (of its terms' sum); ``recompute`` of a logit recomputed in a
   backward; ``form`` a cap form's (0 where none applies); ``subnormal`` the
-  absolute rounding of a probability or a ds below the input dtype's normal
-  range (float16: 2^-24; 0 where that range is float32's)."""
+  absolute error of a probability or a ds below the input dtype's normal
+  range (float16 rounds it to 2^-24; a GPU's float32, and bfloat16's range,
+  flushes it below 2^-126 to zero)."""
 
   logit: float
   recompute: float

@@ -1,6 +1,7 @@
 """The tolerance model is tight enough to catch small errors, and fair."""
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from properties.checks import matches_oracle
 from properties.capabilities import load_impl
 from properties.runner import REFERENCE, baseline, floors_of, score
 
+ROOT = Path(__file__).resolve().parents[1]
 BASE = Case(batch=2, seq_len=33, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype="float32",
             causal=True, cap_method="tanh", cap_params=(3.0,), return_lse=True,
             tiles=(16, 32), seed=7)
@@ -205,3 +207,32 @@ def test_a_logit_on_the_hard_caps_step_gets_its_derivative_either_way(monkeypatc
     _, near = floors(logit + offset * width)
     _, near_unstepped = floors(logit + offset * width, step=False)
     assert bool(np.any(near["dq"] != near_unstepped["dq"])) is allowed, offset
+
+
+def test_a_probability_a_gpu_flushes_to_zero_is_within_the_floors(monkeypatch):
+  """On the H200 (docs/verification/cases/ua_kernels-float32-flushed-probability-t383-dk.json)
+  the last key of a causal float32 row has p = 3e-39, below float32's normal
+  range, and |v| ~ 5e18: a GPU kernel flushes that p to zero, so the key's dk,
+  made of such probabilities only, is 0 instead of 1.9e-19. The floors allow a
+  probability (and a ds) below 2^-126 its whole value, so that dk element's
+  floor covers it; with no such allowance (as before) it does not."""
+  from properties import tolerance
+  from properties.case import load_case_file
+  from properties.runner import _reference, make_inputs, x64
+  path = ROOT / "docs" / "verification" / "cases" / \
+      "ua_kernels-float32-flushed-probability-t383-dk.json"
+  case = load_case_file(path)["case"]
+  inputs = make_inputs(case)
+  at = (1, 382, 3, 5)  # key 382, seen by query 382 only; its kv head's 4 query heads
+  with x64(True):
+    oracle, lse = _reference(case, inputs, float64=True)
+    floors = tolerance.floors(case, inputs, oracle, lse)
+    monkeypatch.setitem(tolerance.SUBNORMAL_P, "float32", 0.0)
+    unflushed = tolerance.floors(case, inputs, oracle, lse)
+  q, k = (np.asarray(inputs[n], np.float64) for n in ("q", "k"))
+  logits = case.sm_scale * np.einsum("hd,kd->hk", q[1, 382, 12:16], k[1, :383, 3])
+  shifted = logits - logits.max(axis=-1, keepdims=True)
+  p = np.exp(shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True)))
+  assert np.all(p[:, 382] < 2.0 ** -126) and np.all(p[:, 382] > 0)
+  assert abs(oracle["dk"][at]) <= floors["dk"][at]
+  assert abs(oracle["dk"][at]) > 10 * unflushed["dk"][at]

@@ -21,8 +21,11 @@ import jax.numpy as jnp
 
 from .contract import StaticSpec, validate
 
-# Largest number of logits [B, Hq, rows, T] computed at once (2^26: 512 MiB in float64).
-MAX_LOGITS = 1 << 26
+# Largest number of logits [B, Hq, rows, T] computed at once (2^25: 256 MiB in float64).
+# The float64 oracle's VJP at B=1, T=16384, 16 heads, D=128 then needs 3.75 GiB of
+# temporaries (XLA's memory analysis; 5.75 GiB at 2^26, which ran out of memory in a
+# 16-worker campaign's share of one H200, docs/VERIFICATION.md).
+MAX_LOGITS = 1 << 25
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
