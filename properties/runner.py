@@ -33,8 +33,12 @@ from .inputs import make_inputs
 from .tolerance import OUTPUTS, OutputError, compare, element_tolerance, floors
 
 REFERENCE = declare("ua_reference:attention", ua_reference.attention)
-# Per-compile options of the oracle and the reference (not of the implementation).
-_HARNESS_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+# Per-compile options of the oracle and the reference (not of the implementation):
+# no autotuning, and their float32 dots on cuBLAS rather than XLA's Triton GEMM
+# emitter, whose float32 (FMA) kernels made the same-precision reference compile
+# about 4x as long as the float64 oracle on the H200 (docs/VERIFICATION.md,
+# "Where the compile seconds go").
+_HARNESS_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 _MAX_EXECUTABLES = 256
 _EXECUTABLES: collections.OrderedDict = collections.OrderedDict()  # key -> compiled, LRU
 _EXECUTABLES_LOCK = threading.Lock()
