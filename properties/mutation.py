@@ -214,6 +214,72 @@ MUTANTS = [
 TEST_ORDER = ["tests/test_regressions.py", "tests/test_properties.py"]
 
 
+def _case(name: str) -> str:
+  return f"tests/test_regressions.py::test_regression_case[{name}]"
+
+
+def _prop(test_id: str) -> str:
+  return f"tests/test_properties.py::test_property[{test_id}]"
+
+
+# The test that killed each mutant when docs/MUTATION.md last recorded it, run
+# before the rest of the black-box suite: a mutant killed by the corpus's last
+# case, or by a property after the corpus, otherwise waits minutes for it (M27:
+# 301 s in CI's rotation). A hint that no longer kills its mutant costs one
+# test's time, not a verdict: the whole suite follows it.
+FIRST_TESTS = {
+    "O1": _case("original-O1-mask-before-cap"),
+    "O2": _case("original-O2-causal-loop-bound"),
+    "O3": _case("original-O3-window-lower-bound"),
+    "O4": _case("original-O1-mask-before-cap"),
+    "O5": _case("original-O1-mask-before-cap"),
+    "O6": _case("original-O1-mask-before-cap"),
+    "O7": _case("original-O3-window-lower-bound"),
+    "O8": _case("precision-fixed-shift-rows-at-lower-bound"),
+    "G2": _case("original-O2-causal-loop-bound"),
+    "O9": _case("original-O1-mask-before-cap"),
+    "M1": _case("original-O2-causal-loop-bound"),
+    "M2": _case("original-O3-window-lower-bound"),
+    "M3": _case("original-O1-mask-before-cap"),
+    "M4": _case("original-O3-window-lower-bound"),
+    "M5": _case("original-O2-causal-loop-bound"),
+    "M6": _case("original-O2-causal-loop-bound"),
+    "M7": _case("original-O2-causal-loop-bound"),
+    "M8": _case("original-O2-causal-loop-bound"),
+    "M9": _case("original-O1-mask-before-cap"),
+    "M10": _case("original-O1-mask-before-cap"),
+    "M11": _case("original-O2-causal-loop-bound"),
+    "M12": _case("original-O1-mask-before-cap"),
+    "M13": _case("mutant-S4-hard-cap-gradient-straight-through"),
+    "M14": _case("original-O1-mask-before-cap"),
+    "M15": _case("mutant-S2-bfloat16-out-toward-zero"),
+    "M16": _case("original-O2-causal-loop-bound"),
+    "M20": _case("original-O2-causal-loop-bound"),
+    "M17": _case("original-O2-causal-loop-bound"),
+    "M21": _case("precision-negative-sm-scale-wide-logits"),
+    "M22": _case("precision-fixed-shift-float16-overflow"),
+    "M23": _case("original-O2-causal-loop-bound"),
+    "M24": _case("precision-fixed-shift-rows-at-lower-bound"),
+    "M25": _case("precision-fixed-shift-rows-at-upper-bound"),
+    "M26": _case("precision-fixed-shift-float16-overflow"),
+    "M27": _prop("matches_oracle-float16"),
+    "M31": _case("precision-float32-lse-cancelling-logits"),
+    "M32": _prop("matches_oracle-float32"),
+    "M28": _case("original-O1-mask-before-cap"),
+    "M29": _case("precision-bfloat16-fast-tanh-huge-cap"),
+    "M30": _case("precision-float16-ds-overflow-zloss-temperature"),
+    "M33": _case("original-B33-float16-ds-below-normal-dk-bias"),
+    "M34": _case("original-B33-bfloat16-hard-cap-large-out-bias"),
+    "M35": _case("original-B33-bfloat16-hard-cap-saturating-dv-bias"),
+    "M36": _case("original-B34-bfloat16-fast-tanh-derivative-saturated-dq-bias"),
+    "M19": _case("original-O2-causal-loop-bound"),
+    "S1": _case("mutant-S1-causal-positions-in-bfloat16"),
+    "S2": _case("mutant-S2-bfloat16-out-toward-zero"),
+    "S4": _case("mutant-S4-hard-cap-gradient-straight-through"),
+    "S5": _case("mutant-S5-head-dim-beyond-128-dropped"),
+}
+
+
 def apply(mutant: Mutant, root: Path) -> None:
   path = root / mutant.file
   text = path.read_text()
@@ -244,33 +310,54 @@ def _copy_repo(root: Path, dest: Path) -> None:
     shutil.copytree(root / "docs" / "baselines", dest / "docs" / "baselines", dirs_exist_ok=True)
 
 
+def _run_pytest(copy: Path, targets: list[str], timeout: float) -> tuple[str, int | None]:
+  """pytest on ``targets`` in the mutant's copy, stopping at the first failure:
+  (its output, its exit code; None when it ran past ``timeout``)."""
+  # The copy comes first on the path, so the plugin (entry point) and the
+  # kernels it judges are both the mutated copy's.
+  env = dict(os.environ, PYTHONPATH=str(copy))
+  cmd = [sys.executable, "-m", "pytest", *targets, "-x", "-q", "-p", "no:cacheprovider",
+         "--hypothesis-profile=ua-ci", f"--ua-failures={copy / 'ua-failures'}",
+         "-o", "addopts="] + _baseline_args(copy)
+  try:
+    proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
+                          timeout=max(timeout, 1.0))
+    return proc.stdout + proc.stderr, proc.returncode
+  except subprocess.TimeoutExpired as exc:
+    out = exc.stdout or ""
+    return (out.decode() if isinstance(out, bytes) else out), None
+
+
+def _failures(output: str) -> list[str]:
+  failed = re.findall(r"^FAILED (\S+)", output, re.M)
+  # A campaign verdict (properties/gates.py) fails the session with no test failed.
+  failed += [f"::{kind}-verdict[{group}]" for kind, group in
+             re.findall(r"^(bias|baseline) (\S+)\s+(?:BIASED|REGRESSED)", output, re.M)]
+  return failed
+
+
 def run_mutant(mutant: Mutant, root: Path, timeout: float, save_cases: Path | None = None) -> dict:
+  """Applies the mutant to a copy of the checkout and runs its first test
+  (FIRST_TESTS) alone, then, unless that killed it, the whole black-box suite
+  (pytest runs a test named beside its file in the file's order, so the first
+  test needs its own run)."""
   with tempfile.TemporaryDirectory(prefix=f"ua-mutant-{mutant.id}-") as tmp:
     copy = Path(tmp)
     _copy_repo(root, copy)
     apply(mutant, copy)
-    # The copy comes first on the path, so the plugin (entry point) and the
-    # kernels it judges are both the mutated copy's.
-    env = dict(os.environ, PYTHONPATH=str(copy))
-    cmd = [sys.executable, "-m", "pytest", *TEST_ORDER, "-x", "-q", "-p", "no:cacheprovider",
-           "--hypothesis-profile=ua-ci", f"--ua-failures={copy / 'ua-failures'}",
-           "-o", "addopts="] + _baseline_args(copy)
     start = time.time()
-    try:
-      proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
-                            timeout=timeout)
-      output, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-      output, code = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""), None
+    output, code, failed = "", 0, []
+    if mutant.id in FIRST_TESTS:
+      output, code = _run_pytest(copy, [FIRST_TESTS[mutant.id]], timeout)
+      failed = _failures(output)
+    if code is not None and not failed:
+      output, code = _run_pytest(copy, TEST_ORDER, timeout - (time.time() - start))
+      failed = _failures(output)
     seconds = time.time() - start
     saved = sorted((copy / "ua-failures").glob("*.json"))
     if save_cases and saved:
       save_cases.mkdir(parents=True, exist_ok=True)
       shutil.copy(saved[0], save_cases / f"mutant-{mutant.id}-{saved[0].name}")
-  failed = re.findall(r"^FAILED (\S+)", output, re.M)
-  # A campaign verdict (properties/gates.py) fails the session with no test failed.
-  failed += [f"::{kind}-verdict[{group}]" for kind, group in
-             re.findall(r"^(bias|baseline) (\S+)\s+(?:BIASED|REGRESSED)", output, re.M)]
   if code is None:
     status = "timeout"
   elif code == 0:

@@ -38,3 +38,23 @@ def test_a_mutant_copy_carries_the_precision_baseline(tmp_path):
   [arg] = _baseline_args(tmp_path)
   assert arg == f"--ua-baseline={tmp_path}/docs/baselines/ua_kernels-ci-jax{jax.__version__}.json"
   assert Path(arg.split("=", 1)[1]).is_file()
+
+
+def test_each_first_test_names_a_test_of_the_suite():
+  """A mutant's first test (FIRST_TESTS) must be a test the black-box suite has
+  (a regression case file, a property test of the ci profile): a stale name is
+  a pytest usage error, not a kill, and would turn the mutant's run into an
+  error."""
+  from properties import profiles
+  from properties.mutation import FIRST_TESTS
+  from properties.plugin import property_tests
+
+  root = Path(__file__).parent.parent
+  cases = {p.stem for p in (root / "tests" / "regressions").glob("*.json")}
+  props = {t.id for t in property_tests(profiles.PROFILES["ci"])}
+  assert set(FIRST_TESTS) <= {m.id for m in MUTANTS}
+  for mutant, node in FIRST_TESTS.items():
+    path, test = node.split("::")
+    name = test[test.index("[") + 1:-1]
+    assert (root / path).is_file(), (mutant, node)
+    assert name in (cases if path.endswith("test_regressions.py") else props), (mutant, node)
