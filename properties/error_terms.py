@@ -52,14 +52,17 @@ class Rounding:
   """The errors the logit terms count: ``logit`` the relative error of a
   float32 dot (of its terms' sum); ``recompute`` of a logit recomputed in a
   backward; ``form`` a cap form's (0 where none applies); ``subnormal`` the
-  absolute error of a probability or a ds below the input dtype's normal
-  range (float16 rounds it to 2^-24; a GPU's float32, and bfloat16's range,
-  flushes it below 2^-126 to zero)."""
+  absolute rounding of a probability or a ds below the input dtype's normal
+  range (float16: 2^-24; 0 where that range is float32's); ``flush`` the
+  threshold below which a GPU's float32 (and bfloat16, of float32's range)
+  flushes a probability or a ds to zero, 2^-126: such a p loses at most
+  itself, min(p, flush)."""
 
   logit: float
   recompute: float
   form: float = 0.0
   subnormal: float = 0.0
+  flush: float = 0.0
 
 
 # Largest [B, Hq, rows, T] block of pair terms computed at once (2^24 float64: 128 MiB,
@@ -223,7 +226,8 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
   # to need); the others: a logit recomputed one rounding away, beside lse's.
   pw_lse = p * (rounding.logit * (1.0 + a + a_bar + finite_lse) + form)
   # A probability below the dtype's normal range is rounded absolutely.
-  pw = p * (rounding.recompute * (xp.abs(z) + finite_lse) + form) + rounding.subnormal * mask
+  pw = (p * (rounding.recompute * (xp.abs(z) + finite_lse) + form)
+        + (rounding.subnormal + xp.minimum(p, rounding.flush)) * mask)
   av, ak, aq, ado = (xp.abs(x) for x in (v, k, q_r, dout_r))
   dp, dp_abs = _pairs(xp, dout_r, v), _pairs(xp, ado, av)
   lse_grad = dlse_r + spec.z_loss_weight * xp.where(xp.isfinite(lse_r), lse_r, 0.0)
@@ -239,7 +243,7 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
   # and ds below the dtype's normal range.
   ds_w = ((pw + rounding.logit * p) * (dp_abs + delta_abs) * slope
           + p * (xp.abs(dp - delta) + delta_abs) * scale * (rounding.form + step)
-          + rounding.subnormal * mask)
+          + (rounding.subnormal + rounding.flush) * mask)
   return {
       "out_sum": _rows(xp, p, av), "out_logit": _rows(xp, pw, av),
       "lse_logit": xp.sum(pw_lse, axis=-1),

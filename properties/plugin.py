@@ -80,6 +80,9 @@ def pytest_addoption(parser):
   group.addoption("--ua-seeds", type=int, default=None,
                   help="input seeds per drawn configuration of an oracle property "
                        "(default: the profile's)")
+  group.addoption("--ua-max-examples", type=int, default=None,
+                  help="at most this many drawn configurations per test (default: the "
+                       "profile's), for a quick run; with --ua-seeds, more cases per compile")
   group.addoption("--ua-save-baseline", default=None,
                   help="write every case's error/tolerance per output here (a baseline)")
   group.addoption("--ua-baseline", default=None,
@@ -95,7 +98,7 @@ def _check_options(config):
   minutes = config.getoption("ua_minutes")
   if minutes is not None and not minutes >= 0:  # 0: a spent box, every test skipped
     raise pytest.UsageError(f"--ua-minutes must be at least 0, got {minutes}")
-  for name in ("ua_compile_threads", "ua_seeds"):
+  for name in ("ua_compile_threads", "ua_seeds", "ua_max_examples"):
     value = config.getoption(name)
     if value is not None and value < 1:
       raise pytest.UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -455,6 +458,9 @@ class Suite:
       examples = {"long": self.profile.long_examples}.get(
           test.focus, self.profile.mask_focus_examples if test.focus.startswith("mask-")
           else self.profile.focus_examples)
+    cap_examples = self.config.getoption("ua_max_examples")
+    if cap_examples is not None:
+      examples = min(examples, cap_examples)
     database = self.database(test)
     run = settings(settings.get_profile(self.profile.hypothesis_name),
                    database=database, max_examples=examples)(run)

@@ -8,8 +8,10 @@ the reference) on ``compile_threads`` threads at once: XLA compiles without
 the GIL, and on the GPU compiling, not running, is where a campaign's seconds
 go (docs/VERIFICATION.md). The oracle (the reference on float64 copies of the
 inputs) and the same-precision reference are compiled without XLA's GEMM
-autotuning: it does not change what they compute, and it dominated their
-compile time on the GPU.
+autotuning, which dominated their compile time on the GPU, and with its dots on
+cuBLAS rather than XLA's Triton GEMM emitter, whose float32 kernels compiled
+about 4x as long (both run the dots at HIGHEST precision; cuBLAS sums in
+another order, a rounding the reference's error, and so the tolerance, follows).
 """
 
 from __future__ import annotations

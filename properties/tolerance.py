@@ -44,14 +44,15 @@ FLOOR = {"float32": 4 * 2.0 ** -23, "bfloat16": 2 * 2.0 ** -8, "float16": 2 * 2.
 # (docs/TOLERANCES.md, "Per-element floors").
 UNDERFLOW = {"float32": 2.0 ** -100, "bfloat16": 2.0 ** -100, "float16": 2.0 ** -24,
              "float64": 2.0 ** -1000}
-# The absolute error of a probability or a ds below the input dtype's normal
-# range: float16 rounds it to its subnormal spacing, 2^-24; a GPU kernel in
-# float32 (bfloat16 has its range) flushes it to zero, below 2^-126. Carried
-# through |dp - delta| into dq and dk: with |v| ~ 5e18 a key whose p of 3e-39
-# was flushed left dk off by 1.9e-19 against a floor of 1.4e-21 on the H200
-# (docs/TOLERANCES.md, "Per-element floors").
-SUBNORMAL_P = {"float16": 2.0 ** -24, "float32": 2.0 ** -126, "bfloat16": 2.0 ** -126,
-               "float64": 0.0}
+# Below the input dtype's normal range a probability or a ds is rounded to
+# float16's subnormal spacing, 2^-24 (an absolute rounding), or, on a GPU, flushed
+# to zero below float32's, 2^-126 (bfloat16 has float32's range): a flushed p
+# loses at most itself, min(p, 2^-126), carried through |dp - delta| + D into dq
+# and dk. With |v| ~ 5e18 a key whose p of 3e-39 was flushed left dk off by
+# 1.9e-19 against a floor of 8.6e-22 on the H200 (docs/TOLERANCES.md,
+# "Per-element floors").
+SUBNORMAL_ROUNDING = {"float16": 2.0 ** -24}
+FLUSH_BELOW = {"float32": 2.0 ** -126, "bfloat16": 2.0 ** -126}
 # A logit recomputed in a backward, one float32 rounding of it (and of lse)
 # away from the forward's (docs/TOLERANCES.md: a row of one key at |z| = 254
 # had p = 1 +- 2e-5).
@@ -135,7 +136,7 @@ def floors(case, inputs: dict, oracle: dict, lse) -> dict[str, np.ndarray]:
       logit=FLOOR["float32"], recompute=RECOMPUTE_EPS,
       form=FORM_TOLERANCE if case.dtype in ("bfloat16", "float16")
       and case.cap_method != "none" else 0.0,
-      subnormal=SUBNORMAL_P[case.dtype])
+      subnormal=SUBNORMAL_ROUNDING.get(case.dtype, 0.0), flush=FLUSH_BELOW.get(case.dtype, 0.0))
   sums, logit = error_terms.element_terms(case, inputs, lse, rounding)
   out = {}
   for name, term in sums.items():

@@ -192,8 +192,9 @@ def test_a_worker_using_each_share_whole_starts_all_its_first_round_tests(worker
 
 def test_a_chunked_propertys_first_round_takes_its_share_of_the_box():
   """The gpu profile's exact-mask and hidden-key properties: their first-round
-  tests together may take 12% of the box's worker-seconds, whatever their turn
-  in the round gives them; no other profile sets a share."""
+  tests (each property's four) may go on starting cases for 12% of the box's
+  worker-seconds between them, whatever their turn in the round gives them; no
+  other profile sets a share."""
   from properties.plugin import chunked_share
   from properties.profiles import PROFILES
 
@@ -236,6 +237,7 @@ def test_a_time_boxed_campaign_hands_out_tests_one_at_a_time():
     (("--ua-import=no_such_module_test",), "--ua-import no_such_module_test"),
     (("--ua-minutes=-1",), "--ua-minutes must be at least 0"),
     (("--ua-seeds=0",), "--ua-seeds must be at least 1"),
+    (("--ua-max-examples=0",), "--ua-max-examples must be at least 1"),
 ])
 def test_plain_pytest_misuse_is_one_usage_error(tmp_path, args, message):
   """The plugin checks its options before collecting: one usage error (pytest's

@@ -146,7 +146,7 @@ def test_jitted_blocked_terms_equal_the_cpu_path(dtype, cap, monkeypatch):
   case = dataclasses.replace(BASE, dtype=dtype, cap_method=cap,
                              cap_params=(3.0,) if cap != "none" else (), segments="packed")
   inputs = make_inputs(case)
-  rounding = error_terms.Rounding(2.0 ** -21, 2.0 ** -22, 2.0 ** -10, 2.0 ** -24)
+  rounding = error_terms.Rounding(2.0 ** -21, 2.0 ** -22, 2.0 ** -10, 2.0 ** -24, 2.0 ** -126)
   with x64(True):
     _, lse = _reference(case, inputs, float64=True)
     cpu = error_terms.element_terms(case, inputs, lse, rounding)
@@ -214,8 +214,8 @@ def test_a_probability_a_gpu_flushes_to_zero_is_within_the_floors(monkeypatch):
   the last key of a causal float32 row has p = 3e-39, below float32's normal
   range, and |v| ~ 5e18: a GPU kernel flushes that p to zero, so the key's dk,
   made of such probabilities only, is 0 instead of 1.9e-19. The floors allow a
-  probability (and a ds) below 2^-126 its whole value, so that dk element's
-  floor covers it; with no such allowance (as before) it does not."""
+  probability below 2^-126 its whole value (and a ds 2^-126), so that dk
+  element's floor covers it; with no such allowance (as before) it does not."""
   from properties import tolerance
   from properties.case import load_case_file
   from properties.runner import _reference, make_inputs, x64
@@ -227,7 +227,7 @@ def test_a_probability_a_gpu_flushes_to_zero_is_within_the_floors(monkeypatch):
   with x64(True):
     oracle, lse = _reference(case, inputs, float64=True)
     floors = tolerance.floors(case, inputs, oracle, lse)
-    monkeypatch.setitem(tolerance.SUBNORMAL_P, "float32", 0.0)
+    monkeypatch.setitem(tolerance.FLUSH_BELOW, "float32", 0.0)
     unflushed = tolerance.floors(case, inputs, oracle, lse)
   q, k = (np.asarray(inputs[n], np.float64) for n in ("q", "k"))
   logits = case.sm_scale * np.einsum("hd,kd->hk", q[1, 382, 12:16], k[1, :383, 3])
