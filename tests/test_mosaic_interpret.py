@@ -91,10 +91,13 @@ def _close(name, got, want, dtype, eps=None):
 
 # Other tilings than the defaults on a few classes: a third ring stage (also more
 # stages than a program has steps, T=1), 64-key dq tiles and forward key tiles,
-# 128-row forward and dk/dv query tiles.
+# 128-row forward and dk/dv query tiles; on a class with padding, a causal window
+# and GQA 4/1 (T=200, float16) and on T=1. The T=384 and T=129 classes under these
+# tilings took 110 of the interpreter's 505 CPU-seconds in CI; their features run
+# at the default tiles above.
 OTHER_TILINGS = [MosaicTiles(block_kv=64, stages=3, block_kv_dq=64, stages_bwd=3),
                  MosaicTiles(block_q=128, block_q_dkv=128)]
-TILED_CLASSES = [SHAPE_CLASSES[i] for i in (1, 2, 5, 9)]
+TILED_CLASSES = [SHAPE_CLASSES[i] for i in (2, 9)]
 
 
 @pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
