@@ -38,8 +38,8 @@ FLOOR = {"float32": 4 * 2.0 ** -23, "bfloat16": 2 * 2.0 ** -8, "float16": 2 * 2.
          "float64": 4 * 2.0 ** -52}
 # An absolute floor per element: what a float32 kernel that flushes subnormal
 # intermediates (below 2^-126) loses over up to 2^26 terms (and bfloat16 has
-# float32's range); float16 outputs, and its probabilities and ds tiles, are
-# rounded to its subnormal spacing, 2^-24, below its normal range. Without it a
+# float32's range); float16 outputs are rounded to its subnormal spacing, 2^-24,
+# below its normal range (its probabilities and ds: SUBNORMAL_ROUNDING). Without it a
 # value of 1e-44 that float32 flushes to 0 is "off by 5000 floors"
 # (docs/TOLERANCES.md, "Per-element floors").
 UNDERFLOW = {"float32": 2.0 ** -100, "bfloat16": 2.0 ** -100, "float16": 2.0 ** -24,

@@ -79,8 +79,7 @@ def test_a_run_fails_a_planted_bias_and_a_planted_precision_regression(tmp_path)
   baseline; rounded toward zero, it passes every bound and fails the bias
   verdict."""
   baseline = tmp_path / "baseline.json"
-  # 6 configurations of 3 input seeds each: 18 cases at 6 compiles (15 configurations
-  # of one seed took 132 s of CI's pytest).
+  # 6 configurations of 3 input seeds each: 18 cases at 6 compiles, not 18.
   select = ("-k", "matches_oracle-bfloat16 and not long and not mask and not cap",
             "--ua-max-examples=6", "--ua-seeds=3")
   proc, report = run_suite(tmp_path, "ua_reference:attention", *select,

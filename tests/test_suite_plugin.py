@@ -198,12 +198,31 @@ def test_a_chunked_propertys_first_round_takes_its_share_of_the_box():
   from properties.plugin import chunked_share
   from properties.profiles import PROFILES
 
+  import time
+  import types
+
+  from properties.plugin import PropertyTest, Suite, _State, first_round_size, time_share
+
   gpu = PROFILES["gpu"]
   tests = 1 + len(gpu.chunked_focuses)
   assert tests == 4
   assert tests * chunked_share(gpu, 16, 224.0) == pytest.approx(0.12 * 16 * 224.0)
   assert chunked_share(gpu, 16, 0.0) == 0.0
   assert all(chunked_share(p, 16, 224.0) == 0.0 for p in PROFILES.values() if p is not gpu)
+  # A worker of 16 whose first first-round test begins 40 s into a 224-second box:
+  # its turn in the round (61 s) is less than the share (108 s); a hidden-key test
+  # gets the share, an oracle test its turn.
+  workers, box, at = 16, 224.0, 40.0
+  suite = types.SimpleNamespace(profile=gpu, config=types.SimpleNamespace(
+      workerinput={"workercount": workers}))
+  now = time.time()
+  turn = time_share(box - at, workers, first_round_size(gpu), 0)
+  share = chunked_share(gpu, workers, box)
+  assert turn < share
+  for prop, expected in (("hidden_keys_do_not_leak", share), ("matches_oracle", turn)):
+    state = _State(deadline=now + box - at, started=now - at)
+    ends = Suite._share_ends(suite, PropertyTest(prop, chunk=0), state)
+    assert ends - now == pytest.approx(expected, abs=0.5), prop
 
 
 def test_a_short_time_box_starts_each_selected_property(tmp_path):
