@@ -77,7 +77,7 @@ def profile_configuration(impl, case, seeds: int) -> dict:
     with runner.x64(True):
       ref_args = runner._reference_args(case, inputs, float64)
       row[name] = _aot_steps(runner._vjp_fn(runner.REFERENCE, with_lse), ref_args,
-                             runner._HARNESS_COMPILER_OPTIONS)
+                             runner.HARNESS_COMPILER_OPTIONS)
   # The whole check on this seed, everything compiled (runner's own caches warm up
   # on the first call, so it runs twice and the second is kept).
   checks.matches_oracle(impl, case)

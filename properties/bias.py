@@ -29,6 +29,8 @@ import dataclasses
 
 import numpy as np
 
+from . import reductions
+
 # Significand bits and smallest normal exponent of the output dtypes.
 _SIGNIFICAND = {"float32": 23, "bfloat16": 7, "float16": 10, "float64": 52}
 _MIN_EXPONENT = {"float32": -126, "bfloat16": -126, "float16": -14, "float64": -1022}
@@ -64,17 +66,31 @@ def signed_ulps(got, oracle, dtype: str, reference=None) -> np.ndarray:
   """(got - reference) * sign(oracle) in ulps of ``dtype`` at |oracle| (the
   reference defaults to the oracle), in the oracle's shape; NaN where an
   element is not measured: the oracle not finite or zero, the others not
-  finite, or the reference more than REFERENCE_WITHIN_ULPS from the oracle."""
+  finite, or the reference more than REFERENCE_WITHIN_ULPS from the oracle.
+  The ulp is a power of two from the oracle's exponent (frexp: exact, where a
+  rounded log2 puts a value just below a power of two in the binade above)."""
   oracle = np.asarray(oracle, np.float64)
   got = np.asarray(got, np.float64).reshape(oracle.shape)
   reference = oracle if reference is None else np.asarray(reference, np.float64).reshape(
       oracle.shape)
   keep = np.isfinite(oracle) & (oracle != 0) & np.isfinite(got) & np.isfinite(reference)
-  with np.errstate(divide="ignore", invalid="ignore"):
-    exponent = np.maximum(np.floor(np.log2(np.abs(oracle))), _MIN_EXPONENT[dtype])
-    ulp = np.exp2(exponent - _SIGNIFICAND[dtype])
+  exponent = np.maximum(np.frexp(np.abs(oracle))[1] - 1, _MIN_EXPONENT[dtype])
+  ulp = np.ldexp(1.0, exponent - _SIGNIFICAND[dtype])
+  with np.errstate(invalid="ignore"):
     keep &= np.abs(reference - oracle) <= REFERENCE_WITHIN_ULPS * ulp
     return np.where(keep, (got - reference) * np.sign(oracle) / ulp, np.nan)
+
+
+def stats(got, oracle, dtype: str, reference) -> "BiasStats":
+  """BiasStats.of(signed_ulps(got, oracle, dtype, reference)), reduced on the
+  device for a large output (properties.reductions)."""
+  if not reductions.wanted(oracle):
+    return BiasStats.of(signed_ulps(got, oracle, dtype, reference))
+  n, above, below, total, squares, rows_above, rows_below = reductions.bias_terms(
+      got, oracle, reference, _MIN_EXPONENT[dtype], _SIGNIFICAND[dtype],
+      REFERENCE_WITHIN_ULPS, DEAD_ZONE_ULPS)
+  return BiasStats(int(n), int(above), int(below), float(total), float(squares),
+                   int(rows_above), int(rows_below))
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from .bias import CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, output_dtype, signed_ulps, verdicts
+from .bias import CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, output_dtype, stats, verdicts
 from .capabilities import Implementation
 from .case import Case
 from .inputs import logit_scale, make_inputs
@@ -52,18 +52,17 @@ def matches_oracle(impl, case: Case):
   errors = score(case, result)
   oracle, _ = baseline(case)
   reference = reference_result(case)
-  stats = {}
+  judged = {}
   for e in errors:
     dtype = output_dtype(e.name, case.dtype)
-    e.bias = BiasStats.of(signed_ulps(result[e.name], oracle[e.name], dtype,
-                                      reference[e.name])).to_dict()
+    e.bias = stats(result[e.name], oracle[e.name], dtype, reference[e.name]).to_dict()
     if dtype in JUDGED_DTYPES:
-      stats[e.name] = BiasStats(**e.bias)
+      judged[e.name] = BiasStats(**e.bias)
   plain = score(case, evaluate_forward(impl, case), outputs=("out", "lse"))
   for e in plain:
     e.name = f"{e.name} (plain call)"
   _require(errors + plain, "implementation differs from the float64 oracle")
-  biased = {name: v for name, v in verdicts(stats, floor=CASE_BIAS_FLOOR_ULPS).items()
+  biased = {name: v for name, v in verdicts(judged, floor=CASE_BIAS_FLOOR_ULPS).items()
             if v["biased"]}
   if biased:
     raise PropertyFailure("a systematic shift of the rounding (bias.py): " + "; ".join(

@@ -65,6 +65,13 @@ class Rounding:
   flush: float = 0.0
 
 
+# Compile options of the harness's own executables (the oracle, the same-precision
+# reference, these terms; not the implementation's): no autotuning of their
+# dots, and float32 dots on cuBLAS rather than XLA's Triton GEMM emitter, whose
+# FMA kernels made the float32 reference compile about 4x as long on the H200
+# (docs/VERIFICATION.md, "Where the compile seconds go").
+HARNESS_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+
 # Largest [B, Hq, rows, T] block of pair terms computed at once (2^24 float64: 128 MiB,
 # up to about twenty live at a time with a cap's derivative step).
 TERMS_LOGITS = 1 << 24
@@ -136,8 +143,18 @@ def _block_fn(spec, seq_len: int, rows: int, rounding: Rounding):
 
 @functools.lru_cache(maxsize=16)
 def _jitted(spec, seq_len: int, rows: int, rounding: Rounding):
-  del rows  # part of the key: one compile per block shape
-  return jax.jit(functools.partial(_terms, spec, seq_len, rounding, jnp))
+  """The terms of one block, compiled on its first call with the harness's
+  options (every block of a case has the shapes of the first: ``spec`` and
+  ``rows`` fix them)."""
+  jitted = jax.jit(functools.partial(_terms, spec, seq_len, rounding, jnp))
+  compiled = []
+
+  def call(*args):
+    if not compiled:
+      compiled.append(jitted.lower(*args).compile(compiler_options=HARNESS_COMPILER_OPTIONS))
+    return compiled[0](*args)
+
+  return call
 
 
 def _bucket(n: int) -> int:

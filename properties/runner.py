@@ -32,15 +32,10 @@ import ua_reference
 from .capabilities import Implementation, declare
 from .case import Case
 from .inputs import make_inputs
+from .error_terms import HARNESS_COMPILER_OPTIONS
 from .tolerance import OUTPUTS, OutputError, compare, element_tolerance, floors
 
 REFERENCE = declare("ua_reference:attention", ua_reference.attention)
-# Per-compile options of the oracle and the reference (not of the implementation):
-# no autotuning, and their float32 dots on cuBLAS rather than XLA's Triton GEMM
-# emitter, whose float32 (FMA) kernels made the same-precision reference compile
-# about 4x as long as the float64 oracle on the H200 (docs/VERIFICATION.md,
-# "Where the compile seconds go").
-_HARNESS_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 _MAX_EXECUTABLES = 256
 _EXECUTABLES: collections.OrderedDict = collections.OrderedDict()  # key -> compiled, LRU
 _EXECUTABLES_LOCK = threading.Lock()
@@ -182,7 +177,7 @@ def _reference_executable(case: Case, args, float64: bool):
   key = ("reference", with_lse.static_key(), float64,
          tuple(None if a is None else a.shape for a in args))
   return _executable(key, lambda: _vjp_fn(REFERENCE, with_lse), args,
-                     _HARNESS_COMPILER_OPTIONS, "oracle_vjp" if float64 else "reference_vjp")
+                     HARNESS_COMPILER_OPTIONS, "oracle_vjp" if float64 else "reference_vjp")
 
 
 def _reference(case: Case, inputs: dict, float64: bool):

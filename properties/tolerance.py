@@ -28,7 +28,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from . import error_terms
+from . import error_terms, reductions
 
 OUTPUTS = ("out", "lse", "dq", "dk", "dv")
 
@@ -108,16 +108,25 @@ def element_tolerance(name: str, ref, oracle, floor) -> tuple[float, np.ndarray]
   rho the same-precision reference's largest error in units of the floor
   (over elements with a floor), so that every element is allowed ALPHA times
   what the reference needed at its worst, in its own units; plus ALPHA times
-  the reference's error where the floor is 0 (no terms: nothing to round)."""
+  the reference's error where the floor is 0 (no terms: nothing to round).
+  Large outputs are reduced on the device (properties.reductions)."""
+  terms = reductions.tolerance_terms if reductions.wanted(oracle) else _tolerance_terms
+  err_ref, rho, unfloored = terms(ref, oracle, floor)
+  floor = np.broadcast_to(_as64(floor), np.shape(oracle))
+  return err_ref, floor * (1.0 + ALPHA[name] * rho) + ALPHA[name] * unfloored
+
+
+def _tolerance_terms(ref, oracle, floor) -> tuple[float, float, float]:
+  """(the reference's largest error, its largest error in units of the floor,
+  its largest error where the floor is 0), in numpy."""
   ref, oracle, floor = _as64(ref), _as64(oracle), _as64(floor)
   finite = np.isfinite(oracle) & np.isfinite(ref)
-  err = np.where(finite, np.abs(ref - oracle), 0.0)
-  floor = np.broadcast_to(floor, err.shape)
   with np.errstate(divide="ignore", invalid="ignore"):
+    err = np.where(finite, np.abs(ref - oracle), 0.0)
+    floor = np.broadcast_to(floor, err.shape)
     rho = float(np.max(np.where(floor > 0, err / floor, 0.0), initial=0.0))
   unfloored = float(np.max(np.where(floor > 0, 0.0, err), initial=0.0))
-  return float(np.max(err, initial=0.0)), floor * (1.0 + ALPHA[name] * rho) + \
-      ALPHA[name] * unfloored
+  return float(np.max(err, initial=0.0)), rho, unfloored
 
 
 def floors(case, inputs: dict, oracle: dict, lse) -> dict[str, np.ndarray]:
@@ -163,11 +172,24 @@ def compare(name: str, impl, expected, ref_err: float, tolerance, *,
   A value beyond the output dtype's range rounds to inf: there, inf of the
   right sign is the correct answer (16-bit gradients overflow legitimately).
   """
-  limit = float(jnp.finfo(np.asarray(impl).dtype).max)
+  limit = float(jnp.finfo(impl.dtype if hasattr(impl, "dtype") else np.asarray(impl).dtype).max)
+  if np.shape(impl) != np.shape(expected):
+    raise AssertionError(f"{name}: shape {np.shape(impl)} != expected {np.shape(expected)}")
+  terms = reductions.compare_terms if reductions.wanted(expected) else _compare_terms
+  max_err, nan_count, inf_mismatch, worst, error, tol = terms(impl, expected, tolerance, slack,
+                                                              limit)
+  worst = np.unravel_index(worst, np.shape(expected)) if np.size(expected) else ()
+  return OutputError(label or name, max_err, ref_err, tol, nan_count, inf_mismatch,
+                     tuple(int(i) for i in worst), error=error)
+
+
+def _compare_terms(impl, expected, tolerance, slack, limit):
+  """compare's reductions in numpy: (largest error, NaN count, non-finite
+  mismatches, flat index of the largest error/tolerance, the error and the
+  tolerance there)."""
   impl, expected = _as64(impl), _as64(expected)
-  if impl.shape != expected.shape:
-    raise AssertionError(f"{name}: shape {impl.shape} != expected {expected.shape}")
-  tol = np.broadcast_to(slack * _as64(tolerance), expected.shape)
+  with np.errstate(invalid="ignore"):  # 0 * inf: a NaN tolerance, as on the device
+    tol = np.broadcast_to(slack * _as64(tolerance), expected.shape)
   finite = np.isfinite(expected)
   overflow = finite & (np.abs(expected) + tol >= limit) & np.isinf(impl) & \
       (np.sign(impl) == np.sign(expected))
@@ -176,13 +198,15 @@ def compare(name: str, impl, expected, ref_err: float, tolerance, *,
   # or not exactly the expected -inf (lse of a row with no visible key).
   inf_mismatch = int((np.isinf(impl) & finite & ~overflow).sum()
                      + (~finite & ~np.isnan(impl) & (impl != expected)).sum())
-  diff = np.where(finite & np.isfinite(impl), np.abs(impl - expected), 0.0)
+  with np.errstate(invalid="ignore"):
+    diff = np.where(finite & np.isfinite(impl), np.abs(impl - expected), 0.0)
+  if not diff.size:
+    return 0.0, nan_count, inf_mismatch, 0, 0.0, 0.0
   with np.errstate(divide="ignore", invalid="ignore"):
     ratio = np.where(diff == 0, 0.0, diff / tol)
-  worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape) if ratio.size else ()
-  at_worst = (float(diff[worst]), float(tol[worst])) if ratio.size else (0.0, 0.0)
-  return OutputError(label or name, float(np.max(diff, initial=0.0)), ref_err, at_worst[1],
-                     nan_count, inf_mismatch, tuple(int(i) for i in worst), error=at_worst[0])
+  worst = int(np.argmax(ratio))
+  return (float(np.max(diff)), nan_count, inf_mismatch, worst, float(diff.reshape(-1)[worst]),
+          float(tol.reshape(-1)[worst]))
 
 
 def error_table(errors: list[OutputError]) -> str:
