@@ -92,61 +92,82 @@ def element_terms(case, inputs: dict, lse, rounding: Rounding):
   outputs' shapes (lse: only logit terms). ``lse``: the oracle's [B, Hq, T]
   lse. Call under x64."""
   spec, segment_ids, temperature = _spec_of(case, inputs)
-  xp = np if jax.default_backend() == "cpu" else jnp
-  f64 = lambda x: xp.asarray(np.asarray(x, np.float64))
+  f64 = lambda x: np.asarray(x, np.float64)
   q, k, v, dout = (f64(inputs[n]) for n in ("q", "k", "v", "dout"))
   g = spec.group_size
-  k, v = xp.repeat(k, g, axis=2), xp.repeat(v, g, axis=2)
+  k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
   b, t, hq, d = q.shape
-  dlse = f64(inputs["dlse"]) if case.return_lse else xp.zeros((b, hq, t))
-  temp = xp.ones((b, t, hq)) if temperature is None else \
-      xp.broadcast_to(f64(temperature), (b, t, hq))
+  dlse = f64(inputs["dlse"]) if case.return_lse else np.zeros((b, hq, t))
+  temp = np.ones((b, t, hq)) if temperature is None else \
+      np.broadcast_to(f64(temperature), (b, t, hq))
   seg = None if segment_ids is None else np.asarray(segment_ids)
   rows = max(1, min(t, TERMS_LOGITS // (b * hq * t)))
   blocks = -(-t // rows)
   pad = blocks * rows - t
-  on_t = lambda x, axis, value=0.0: xp.pad(
+  on_t = lambda x, axis, value=0.0: np.pad(
       x, [(0, pad if i == axis else 0) for i in range(x.ndim)], constant_values=value)
   # Padded query rows get lse = +inf: probabilities 0, no terms.
   q, dout, temp = on_t(q, 1), on_t(dout, 1), on_t(temp, 1)
   lse, dlse = on_t(f64(lse), 2, np.inf), on_t(dlse, 2)
-  block = _block_fn(spec, t, rows, rounding)
+  step, k, v = _block_fn(spec, t, rows, rounding, k, v)
   row_parts = collections.defaultdict(list)
-  key_sums = {}
+  key_sums = {name: np.zeros((b, t, hq // g, d)) for name in _KEY_TERMS}
+  pending = {}
   for i in range(blocks):
     sl = slice(i * rows, (i + 1) * rows)
-    r = block(q[:, sl], dout[:, sl], temp[:, sl], lse[..., sl], dlse[..., sl],
-              np.arange(i * rows, (i + 1) * rows), seg, k, v)
-    for name, x in r.items():
-      if name.startswith(("dk", "dv")):
-        key_sums[name] = x if name not in key_sums else key_sums[name] + x
-      else:
-        row_parts[name].append(np.asarray(x))
-  rows_of = lambda name, axis=1: np.take(np.concatenate(row_parts[name], axis=axis),
-                                         np.arange(t), axis=axis)
-  group = lambda name: np.asarray(key_sums[name]).reshape(b, t, hq // g, g, d).sum(axis=3)
+    r, key_sums = step(q[:, sl], dout[:, sl], temp[:, sl], lse[..., sl], dlse[..., sl],
+                       np.arange(i * rows, (i + 1) * rows), seg, k, v, key_sums)
+    # The block before this one is brought to the host while the device computes it.
+    for name, x in pending.items():
+      row_parts[name].append(np.asarray(x))
+    pending = r
+  for name, x in pending.items():
+    row_parts[name].append(np.asarray(x))
+  rows_of = lambda name: np.concatenate(row_parts[name], axis=1)[:, :t]
+  keys = {name: np.asarray(x) for name, x in key_sums.items()}
   sums = {"out": rows_of("out_sum"), "dq": rows_of("dq_sum"),
-          "dk": group("dk_sum"), "dv": group("dv_sum")}
+          "dk": keys["dk_sum"], "dv": keys["dv_sum"]}
   logit = {"out": rows_of("out_logit"), "dq": rows_of("dq_logit"),
-           "lse": rows_of("lse_logit", axis=2), "dk": group("dk_logit"), "dv": group("dv_logit")}
+           "lse": np.concatenate(row_parts["lse_logit"], axis=2)[:, :, :t],
+           "dk": keys["dk_logit"], "dv": keys["dv_logit"]}
   return sums, logit
 
 
-def _block_fn(spec, seq_len: int, rows: int, rounding: Rounding):
-  """The terms of ``rows`` query rows against every key: numpy on a CPU backend
-  (the ci profile's many small configurations would each pay an XLA compile of
-  about a second, the cost of a case), jitted where the long ones run."""
+_KEY_TERMS = ("dk_sum", "dk_logit", "dv_sum", "dv_logit")
+
+
+def _step(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r, dlse_r, pos, seg, k, v,
+          key_sums):
+  """One block's row terms, and the key terms summed into ``key_sums`` over
+  the block's query rows and each kv head's group of query heads."""
+  r = _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r, dlse_r, pos, seg, k, v)
+  b, t, hq, d = k.shape
+  g = spec.group_size
+  key_sums = {name: key_sums[name] + r.pop(name).reshape(b, t, hq // g, g, d).sum(axis=3)
+              for name in _KEY_TERMS}
+  return r, key_sums
+
+
+def _block_fn(spec, seq_len: int, rows: int, rounding: Rounding, k, v):
+  """(step, k, v): the terms of ``rows`` query rows against every key, and the
+  keys it takes. numpy on a CPU backend (the ci profile's many small
+  configurations would each pay an XLA compile of about a second, the cost of
+  a case); jitted where the long ones run, on k and v put on the device once,
+  the key sums kept there (donated to each block's step), the row blocks
+  sliced on the host (an eager slice of a device array is a dispatch: 1280 of
+  them took 1.5 s of a T=16k case on the H200)."""
   if jax.default_backend() == "cpu":
-    return functools.partial(_terms, spec, seq_len, rounding, np)
-  return _jitted(spec, seq_len, rows, rounding)
+    return functools.partial(_step, spec, seq_len, rounding, np), k, v
+  return _jitted(spec, seq_len, rows, rounding), jax.device_put(k), jax.device_put(v)
 
 
 @functools.lru_cache(maxsize=16)
 def _jitted(spec, seq_len: int, rows: int, rounding: Rounding):
-  """The terms of one block, compiled on its first call with the harness's
-  options (every block of a case has the shapes of the first: ``spec`` and
-  ``rows`` fix them)."""
-  jitted = jax.jit(functools.partial(_terms, spec, seq_len, rounding, jnp))
+  """One block's step, compiled on its first call with the harness's options
+  (every block of a case has the shapes of the first: ``spec`` and ``rows``
+  fix them)."""
+  jitted = jax.jit(functools.partial(_step, spec, seq_len, rounding, jnp),
+                   donate_argnums=(9,))  # key_sums
   compiled = []
 
   def call(*args):

@@ -98,8 +98,10 @@ class Profile:
   # Properties drawn on the long lengths and large head dims (Buckets.long_*).
   long_properties: tuple[str, ...] = ("mask_is_exact",)
   # Properties that run, like the oracle's, as ``oracle_chunks`` tests (of
-  # their own example budget each) after the first round, so that a campaign
-  # gives them a share of its cases, not one test's.
+  # their own example budget each), so that a campaign gives them a share of
+  # its cases, not one test's: their first chunk and focused tests in the first
+  # round (for chunked_box_share of the box), their further chunks after the
+  # oracle's (plugin.property_tests).
   chunked_properties: tuple[str, ...] = ()
   chunked_examples: int = 1  # examples of each of their tests
   # Input seeds per configuration of a chunked property, where the seed

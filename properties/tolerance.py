@@ -112,8 +112,10 @@ def element_tolerance(name: str, ref, oracle, floor) -> tuple[float, np.ndarray]
   Large outputs are reduced on the device (properties.reductions)."""
   terms = reductions.tolerance_terms if reductions.wanted(oracle) else _tolerance_terms
   err_ref, rho, unfloored = terms(ref, oracle, floor)
-  floor = np.broadcast_to(_as64(floor), np.shape(oracle))
-  return err_ref, floor * (1.0 + ALPHA[name] * rho) + ALPHA[name] * unfloored
+  tolerance = np.broadcast_to(_as64(floor), np.shape(oracle)) * (1.0 + ALPHA[name] * rho)
+  if unfloored:
+    tolerance += ALPHA[name] * unfloored
+  return err_ref, tolerance
 
 
 def _tolerance_terms(ref, oracle, floor) -> tuple[float, float, float]:
@@ -151,8 +153,12 @@ def floors(case, inputs: dict, oracle: dict, lse) -> dict[str, np.ndarray]:
   for name, term in sums.items():
     if oracle.get(name) is None:
       continue
-    scale = np.maximum(np.abs(_as64(oracle[name])), term)
-    out[name] = FLOOR[case.dtype] * scale + logit[name] + UNDERFLOW[case.dtype]
+    floor = np.abs(_as64(oracle[name]))  # in place from here: T=16k outputs are 10^8 bytes
+    np.maximum(floor, term, out=floor)
+    floor *= FLOOR[case.dtype]
+    floor += logit[name]
+    floor += UNDERFLOW[case.dtype]
+    out[name] = floor
   if oracle.get("lse") is not None:
     finite = np.where(np.isfinite(lse), np.abs(lse), 0.0)
     out["lse"] = FLOOR["float32"] * np.maximum(finite, 1.0) + FLOOR[case.dtype] + logit["lse"]

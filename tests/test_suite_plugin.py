@@ -131,6 +131,24 @@ def test_more_oracle_chunks_come_after_every_other_test():
   assert property_tests(gpu, 3) == own  # fewer than the profile's: the profile's
 
 
+def test_the_chunked_properties_further_chunks_follow_the_oracles():
+  """The exact-mask and hidden-key properties' share of a time box is their
+  first round's (chunked_box_share); their further chunks wait for the
+  oracle's profile chunks, before the extra ones a time box asks for."""
+  from properties.plugin import first_round_size, property_tests
+  from properties.profiles import PROFILES
+
+  gpu = PROFILES["gpu"]
+  tests = property_tests(gpu, 12)[first_round_size(gpu):]
+  kind = ["chunked" if t.property in gpu.chunked_properties else
+          "extra" if t.chunk >= gpu.oracle_chunks else "oracle" for t in tests]
+  assert kind == sorted(kind, key=["oracle", "chunked", "extra"].index)
+  assert {t.chunk for t, k in zip(tests, kind) if k == "chunked"} == \
+      set(range(1, gpu.oracle_chunks))
+  assert {t.property for t, k in zip(tests, kind) if k == "chunked"} == \
+      set(gpu.chunked_properties)
+
+
 @pytest.mark.parametrize("profile", ["ci", "gpu"])
 def test_a_time_box_starts_one_test_of_every_property_first(profile):
   """The first round of property_tests holds one test of every property (each
