@@ -163,19 +163,11 @@ def _block_fn(spec, seq_len: int, rows: int, rounding: Rounding, k, v):
 
 @functools.lru_cache(maxsize=16)
 def _jitted(spec, seq_len: int, rows: int, rounding: Rounding):
-  """One block's step, compiled on its first call with the harness's options
-  (every block of a case has the shapes of the first: ``spec`` and ``rows``
-  fix them)."""
-  jitted = jax.jit(functools.partial(_step, spec, seq_len, rounding, jnp),
-                   donate_argnums=(9,))  # key_sums
-  compiled = []
-
-  def call(*args):
-    if not compiled:
-      compiled.append(jitted.lower(*args).compile(compiler_options=HARNESS_COMPILER_OPTIONS))
-    return compiled[0](*args)
-
-  return call
+  """One block's step, compiled with the harness's options; ``rows`` is part
+  of the key: one compile per block shape."""
+  del rows
+  return jax.jit(functools.partial(_step, spec, seq_len, rounding, jnp),
+                 donate_argnums=(9,), compiler_options=HARNESS_COMPILER_OPTIONS)  # key_sums
 
 
 def _bucket(n: int) -> int:

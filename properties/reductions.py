@@ -74,7 +74,10 @@ def compare_terms(impl, expected, tolerance, slack, limit):
   mismatches, flat index of the largest error/tolerance, the error and the
   tolerance there)."""
   impl, expected = _f64(impl), _f64(expected)
-  tol = jnp.broadcast_to(_f64(slack) * _f64(tolerance), expected.shape)
+  # Materialized: fused into |expected| + tol below, XLA may contract the
+  # product and the sum into one FMA, one rounding where numpy has two.
+  tol = jax.lax.optimization_barrier(
+      jnp.broadcast_to(_f64(slack) * _f64(tolerance), expected.shape))
   finite = jnp.isfinite(expected)
   overflow = finite & (jnp.abs(expected) + tol >= limit) & jnp.isinf(impl) & \
       (jnp.sign(impl) == jnp.sign(expected))
@@ -83,7 +86,10 @@ def compare_terms(impl, expected, tolerance, slack, limit):
                   + jnp.sum(~finite & ~jnp.isnan(impl) & (impl != expected)))
   diff = jnp.where(finite & jnp.isfinite(impl), jnp.abs(impl - expected), 0.0)
   ratio = jnp.where(diff == 0, 0.0, diff / tol).reshape(-1)
-  worst = jnp.argmax(ratio)
+  # numpy's argmax: the first NaN if any (a reduction on a GPU may meet a later
+  # one first), else the first largest.
+  nan = jnp.isnan(ratio)
+  worst = jnp.where(jnp.any(nan), jnp.argmax(nan), jnp.argmax(jnp.where(nan, -jnp.inf, ratio)))
   return (jnp.max(diff, initial=0.0), nan_count, inf_mismatch, worst,
           diff.reshape(-1)[worst], tol.reshape(-1)[worst])
 
@@ -102,6 +108,15 @@ def tolerance_terms(ref, oracle, floor):
   return jnp.max(err, initial=0.0), rho, unfloored
 
 
+def _power_of_two(exponent):
+  """2.0 ** exponent, exactly, from its bits (jnp.ldexp multiplies by a
+  power that a GPU's pow need not round exactly); below float64's normal range,
+  as a normal power times 2^-64."""
+  bits = lambda e: jax.lax.bitcast_convert_type(
+      (jnp.clip(e, -1022, 1023).astype(jnp.int64) + 1023) << 52, jnp.float64)
+  return jnp.where(exponent >= -1022, bits(exponent), bits(exponent + 64) * 2.0 ** -64)
+
+
 @_on_device
 def bias_terms(got, oracle, reference, min_exponent, significand, within, dead_zone):
   """bias.BiasStats.of(bias.signed_ulps(...))'s fields: (n, above, below,
@@ -110,7 +125,7 @@ def bias_terms(got, oracle, reference, min_exponent, significand, within, dead_z
   got, reference = _f64(got).reshape(oracle.shape), _f64(reference).reshape(oracle.shape)
   keep = jnp.isfinite(oracle) & (oracle != 0) & jnp.isfinite(got) & jnp.isfinite(reference)
   exponent = jnp.maximum(jnp.frexp(jnp.abs(oracle))[1] - 1, min_exponent)
-  ulp = jnp.ldexp(jnp.ones_like(oracle), exponent - significand)
+  ulp = _power_of_two(exponent - significand)
   keep &= jnp.abs(reference - oracle) <= within * ulp
   ulps = jnp.where(keep, (got - reference) * jnp.sign(oracle) / ulp, jnp.nan)
   rows = ulps.reshape(-1, ulps.shape[-1]) if ulps.ndim >= 2 else ulps.reshape(-1, 1)

@@ -112,7 +112,8 @@ def element_tolerance(name: str, ref, oracle, floor) -> tuple[float, np.ndarray]
   Large outputs are reduced on the device (properties.reductions)."""
   terms = reductions.tolerance_terms if reductions.wanted(oracle) else _tolerance_terms
   err_ref, rho, unfloored = terms(ref, oracle, floor)
-  tolerance = np.broadcast_to(_as64(floor), np.shape(oracle)) * (1.0 + ALPHA[name] * rho)
+  tolerance = np.multiply(np.broadcast_to(np.asarray(floor, np.float64), np.shape(oracle)),
+                          1.0 + ALPHA[name] * rho)
   if unfloored:
     tolerance += ALPHA[name] * unfloored
   return err_ref, tolerance
@@ -153,7 +154,8 @@ def floors(case, inputs: dict, oracle: dict, lse) -> dict[str, np.ndarray]:
   for name, term in sums.items():
     if oracle.get(name) is None:
       continue
-    floor = np.abs(_as64(oracle[name]))  # in place from here: T=16k outputs are 10^8 bytes
+    floor = np.array(oracle[name], np.float64)  # a copy, in place from here: T=16k
+    np.abs(floor, out=floor)                     # outputs are 10^8 bytes
     np.maximum(floor, term, out=floor)
     floor *= FLOOR[case.dtype]
     floor += logit[name]
