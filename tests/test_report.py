@@ -126,7 +126,9 @@ def test_build_report_and_merge_sum_compile_run_compilations_and_hits():
 
 def test_a_warm_persistent_cache_serves_compilations(tmp_path):
   """The second run over the same cache directory: its compilations include
-  cache hits, counted from jax's own event."""
+  cache hits, counted from jax's own event. A cold run may hit entries it wrote
+  itself (the cache keeps every executable, and distinct jitted callables can
+  compile the same one); the warm run hits what the cold one compiled."""
   cache = tmp_path / "cache"
   runs = []
   for name in ("cold", "warm"):
@@ -137,8 +139,9 @@ def test_a_warm_persistent_cache_serves_compilations(tmp_path):
     runs.append(report)
   cold, warm = runs
   assert all("cache_hits" in r for r in cold["records"] + warm["records"])
-  assert cold["cache_hits"] == 0, cold["records"]
-  assert 0 < warm["cache_hits"] <= warm["compiled"], warm["records"]
+  assert cold["cache_hits"] < cold["compiled"] / 2, cold["records"]
+  assert cold["cache_hits"] < warm["cache_hits"] <= warm["compiled"], warm["records"]
+  assert warm["cache_hits"] > warm["compiled"] / 2, warm["records"]
   assert warm["compile_seconds"] < cold["compile_seconds"]
 
 
