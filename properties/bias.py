@@ -69,28 +69,43 @@ def signed_ulps(got, oracle, dtype: str, reference=None) -> np.ndarray:
   finite, or the reference more than REFERENCE_WITHIN_ULPS from the oracle.
   The ulp is a power of two from the oracle's exponent (frexp: exact, where a
   rounded log2 puts a value just below a power of two in the binade above)."""
-  oracle = np.asarray(oracle, np.float64)
-  got = np.asarray(got, np.float64).reshape(oracle.shape)
-  reference = oracle if reference is None else np.asarray(reference, np.float64).reshape(
-      oracle.shape)
-  keep = np.isfinite(oracle) & (oracle != 0) & np.isfinite(got) & np.isfinite(reference)
-  exponent = np.maximum(np.frexp(np.abs(oracle))[1] - 1, _MIN_EXPONENT[dtype])
-  ulp = np.ldexp(1.0, exponent - _SIGNIFICAND[dtype])
   with np.errstate(invalid="ignore"):
-    keep &= np.abs(reference - oracle) <= REFERENCE_WITHIN_ULPS * ulp
-    return np.where(keep, (got - reference) * np.sign(oracle) / ulp, np.nan)
+    return _signed_ulps(np, got, oracle, oracle if reference is None else reference,
+                        _MIN_EXPONENT[dtype], _SIGNIFICAND[dtype])
+
+
+def _signed_ulps(xp, got, oracle, reference, min_exponent, significand):
+  oracle = reductions.float64(xp, oracle)
+  got = reductions.float64(xp, got).reshape(oracle.shape)
+  reference = reductions.float64(xp, reference).reshape(oracle.shape)
+  keep = xp.isfinite(oracle) & (oracle != 0) & xp.isfinite(got) & xp.isfinite(reference)
+  exponent = xp.maximum(xp.frexp(xp.abs(oracle))[1] - 1, min_exponent)
+  ulp = reductions.power_of_two(xp, exponent - significand)
+  keep &= xp.abs(reference - oracle) <= REFERENCE_WITHIN_ULPS * ulp
+  return xp.where(keep, (got - reference) * xp.sign(oracle) / ulp, xp.nan)
 
 
 def stats(got, oracle, dtype: str, reference) -> "BiasStats":
   """BiasStats.of(signed_ulps(got, oracle, dtype, reference)), reduced on the
-  device for a large output (properties.reductions)."""
-  if not reductions.wanted(oracle):
-    return BiasStats.of(signed_ulps(got, oracle, dtype, reference))
-  n, above, below, total, squares, rows_above, rows_below = reductions.bias_terms(
-      got, oracle, reference, _MIN_EXPONENT[dtype], _SIGNIFICAND[dtype],
-      REFERENCE_WITHIN_ULPS, DEAD_ZONE_ULPS)
-  return BiasStats(int(n), int(above), int(below), float(total), float(squares),
-                   int(rows_above), int(rows_below))
+  device for a large output (reductions.reduce)."""
+  return BiasStats(*reductions.reduce(_stats_terms, got, oracle, reference,
+                                      _MIN_EXPONENT[dtype], _SIGNIFICAND[dtype]))
+
+
+def _stats_terms(xp, got, oracle, reference, min_exponent, significand):
+  return _counts(xp, _signed_ulps(xp, got, oracle, reference, min_exponent, significand))
+
+
+def _counts(xp, ulps):
+  """BiasStats' fields of ``ulps`` in ``xp`` (BiasStats.of says what they count)."""
+  rows = ulps.reshape(-1, ulps.shape[-1]) if ulps.ndim >= 2 else ulps.reshape(-1, 1)
+  measured = xp.isfinite(rows)
+  clipped = xp.where(measured, xp.clip(rows, -1.0, 1.0), 0.0)
+  counts = xp.sum(measured, axis=1)
+  row_mean = xp.where(counts > 0, xp.sum(clipped, axis=1) / xp.maximum(counts, 1), 0.0)
+  return (xp.sum(measured), xp.sum(measured & (rows > DEAD_ZONE_ULPS)),
+          xp.sum(measured & (rows < -DEAD_ZONE_ULPS)), xp.sum(clipped), xp.sum(clipped ** 2),
+          xp.sum(row_mean > DEAD_ZONE_ULPS), xp.sum(row_mean < -DEAD_ZONE_ULPS))
 
 
 @dataclasses.dataclass
@@ -119,17 +134,8 @@ class BiasStats:
     element a row), and the sums of the differences clipped to one ulp (one
     element of a cancelling sum must not outweigh thousands); NaN elements are
     not measured."""
-    ulps = np.asarray(ulps, np.float64)
-    rows = ulps.reshape(-1, ulps.shape[-1]) if ulps.ndim >= 2 else ulps.reshape(-1, 1)
-    measured = np.isfinite(rows)
-    clipped = np.where(measured, np.clip(rows, -1.0, 1.0), 0.0)
-    counts = measured.sum(axis=1)
-    row_mean = np.divide(clipped.sum(axis=1), counts, out=np.zeros(len(rows)),
-                         where=counts > 0)
-    return cls(int(measured.sum()), int((measured & (rows > DEAD_ZONE_ULPS)).sum()),
-               int((measured & (rows < -DEAD_ZONE_ULPS)).sum()), float(clipped.sum()),
-               float(np.square(clipped).sum()), int((row_mean > DEAD_ZONE_ULPS).sum()),
-               int((row_mean < -DEAD_ZONE_ULPS).sum()))
+    with np.errstate(invalid="ignore"):
+      return cls(*(np.asarray(x).item() for x in _counts(np, np.asarray(ulps, np.float64))))
 
   def __add__(self, other: "BiasStats") -> "BiasStats":
     return BiasStats(*(a + b for a, b in zip(dataclasses.astuple(self),

@@ -110,8 +110,7 @@ def element_tolerance(name: str, ref, oracle, floor) -> tuple[float, np.ndarray]
   what the reference needed at its worst, in its own units; plus ALPHA times
   the reference's error where the floor is 0 (no terms: nothing to round).
   Large outputs are reduced on the device (properties.reductions)."""
-  terms = reductions.tolerance_terms if reductions.wanted(oracle) else _tolerance_terms
-  err_ref, rho, unfloored = terms(ref, oracle, floor)
+  err_ref, rho, unfloored = reductions.reduce(_tolerance_terms, ref, oracle, floor)
   tolerance = np.multiply(np.broadcast_to(np.asarray(floor, np.float64), np.shape(oracle)),
                           1.0 + ALPHA[name] * rho)
   if unfloored:
@@ -119,17 +118,16 @@ def element_tolerance(name: str, ref, oracle, floor) -> tuple[float, np.ndarray]
   return err_ref, tolerance
 
 
-def _tolerance_terms(ref, oracle, floor) -> tuple[float, float, float]:
+def _tolerance_terms(xp, ref, oracle, floor):
   """(the reference's largest error, its largest error in units of the floor,
-  its largest error where the floor is 0), in numpy."""
-  ref, oracle, floor = _as64(ref), _as64(oracle), _as64(floor)
-  finite = np.isfinite(oracle) & np.isfinite(ref)
-  with np.errstate(divide="ignore", invalid="ignore"):
-    err = np.where(finite, np.abs(ref - oracle), 0.0)
-    floor = np.broadcast_to(floor, err.shape)
-    rho = float(np.max(np.where(floor > 0, err / floor, 0.0), initial=0.0))
-  unfloored = float(np.max(np.where(floor > 0, 0.0, err), initial=0.0))
-  return float(np.max(err, initial=0.0)), rho, unfloored
+  its largest error where the floor is 0), in ``xp`` (reductions.reduce)."""
+  ref, oracle = reductions.float64(xp, ref), reductions.float64(xp, oracle)
+  finite = xp.isfinite(oracle) & xp.isfinite(ref)
+  err = xp.where(finite, xp.abs(ref - oracle), 0.0)
+  floor = xp.broadcast_to(reductions.float64(xp, floor), err.shape)
+  rho = xp.max(xp.where(floor > 0, err / floor, 0.0), initial=0.0)
+  unfloored = xp.max(xp.where(floor > 0, 0.0, err), initial=0.0)
+  return xp.max(err, initial=0.0), rho, unfloored
 
 
 def floors(case, inputs: dict, oracle: dict, lse) -> dict[str, np.ndarray]:
@@ -183,38 +181,35 @@ def compare(name: str, impl, expected, ref_err: float, tolerance, *,
   limit = float(jnp.finfo(impl.dtype if hasattr(impl, "dtype") else np.asarray(impl).dtype).max)
   if np.shape(impl) != np.shape(expected):
     raise AssertionError(f"{name}: shape {np.shape(impl)} != expected {np.shape(expected)}")
-  terms = reductions.compare_terms if reductions.wanted(expected) else _compare_terms
-  max_err, nan_count, inf_mismatch, worst, error, tol = terms(impl, expected, tolerance, slack,
-                                                              limit)
+  max_err, nan_count, inf_mismatch, worst, error, tol = reductions.reduce(
+      _compare_terms, impl, expected, tolerance, slack, limit)
   worst = np.unravel_index(worst, np.shape(expected)) if np.size(expected) else ()
   return OutputError(label or name, max_err, ref_err, tol, nan_count, inf_mismatch,
                      tuple(int(i) for i in worst), error=error)
 
 
-def _compare_terms(impl, expected, tolerance, slack, limit):
-  """compare's reductions in numpy: (largest error, NaN count, non-finite
-  mismatches, flat index of the largest error/tolerance, the error and the
-  tolerance there)."""
-  impl, expected = _as64(impl), _as64(expected)
-  with np.errstate(invalid="ignore"):  # 0 * inf: a NaN tolerance, as on the device
-    tol = np.broadcast_to(slack * _as64(tolerance), expected.shape)
-  finite = np.isfinite(expected)
-  overflow = finite & (np.abs(expected) + tol >= limit) & np.isinf(impl) & \
-      (np.sign(impl) == np.sign(expected))
-  nan_count = int(np.isnan(impl).sum())
+def _compare_terms(xp, impl, expected, tolerance, slack, limit):
+  """compare's reductions in ``xp`` (reductions.reduce): (largest error, NaN
+  count, non-finite mismatches, flat index of the largest error/tolerance, the
+  error and the tolerance there)."""
+  impl, expected = reductions.float64(xp, impl), reductions.float64(xp, expected)
+  tol = reductions.materialized(
+      xp, xp.broadcast_to(slack * reductions.float64(xp, tolerance), expected.shape))
+  finite = xp.isfinite(expected)
+  overflow = finite & (xp.abs(expected) + tol >= limit) & xp.isinf(impl) & \
+      (xp.sign(impl) == xp.sign(expected))
+  nan_count = xp.sum(xp.isnan(impl))
   # Non-finite where a finite value is expected (and not a correct overflow),
   # or not exactly the expected -inf (lse of a row with no visible key).
-  inf_mismatch = int((np.isinf(impl) & finite & ~overflow).sum()
-                     + (~finite & ~np.isnan(impl) & (impl != expected)).sum())
-  with np.errstate(invalid="ignore"):
-    diff = np.where(finite & np.isfinite(impl), np.abs(impl - expected), 0.0)
+  inf_mismatch = (xp.sum(xp.isinf(impl) & finite & ~overflow)
+                  + xp.sum(~finite & ~xp.isnan(impl) & (impl != expected)))
+  diff = xp.where(finite & xp.isfinite(impl), xp.abs(impl - expected), 0.0)
   if not diff.size:
     return 0.0, nan_count, inf_mismatch, 0, 0.0, 0.0
-  with np.errstate(divide="ignore", invalid="ignore"):
-    ratio = np.where(diff == 0, 0.0, diff / tol)
-  worst = int(np.argmax(ratio))
-  return (float(np.max(diff)), nan_count, inf_mismatch, worst, float(diff.reshape(-1)[worst]),
-          float(tol.reshape(-1)[worst]))
+  ratio = xp.where(diff == 0, 0.0, diff / tol).reshape(-1)
+  worst = reductions.first_argmax(xp, ratio)
+  return (xp.max(diff), nan_count, inf_mismatch, worst, diff.reshape(-1)[worst],
+          tol.reshape(-1)[worst])
 
 
 def error_table(errors: list[OutputError]) -> str:
