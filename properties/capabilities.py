@@ -15,7 +15,10 @@ as attributes of the callable:
   (faster) forms of a cap, which the cap checks compare with the exact ones;
 - ``ua_seq_len_multiple``: an int: it takes only sequence lengths that are a
   multiple of it (a sharded op: twice its shard count); the suite draws
-  lengths rounded up to one.
+  lengths rounded up to one;
+- ``ua_unsharded``: ``"module:function"``, the same op on one device (a sharded
+  op's counterpart): the suite then checks the two against each other on every
+  case of ``sharded_equals_unsharded``.
 
 Nothing else whose name starts with ``ua_`` is accepted: a misspelt
 declaration is an error, not a silently wider test.
@@ -31,7 +34,8 @@ from .case import FEATURES, Case
 
 DTYPES = ("float32", "bfloat16", "float16")
 KNOWN_ATTRIBUTES = ("ua_unsupported", "ua_dtypes", "ua_head_dims", "ua_block_sizes",
-                    "ua_config", "ua_cap_methods", "ua_cap_forms", "ua_seq_len_multiple")
+                    "ua_config", "ua_cap_methods", "ua_cap_forms", "ua_seq_len_multiple",
+                    "ua_unsharded")
 
 
 class CapabilityError(ValueError):
@@ -56,6 +60,7 @@ class Implementation:
   cap_methods: frozenset | None = None   # None: every registered method
   cap_forms: Callable[[str], Any] | None = None
   seq_len_multiple: int = 1
+  unsharded: str | None = None  # module:function of the same op on one device
 
   def supports(self, case: Case) -> str | None:
     """None if the case is within the declarations, else why not."""
@@ -173,6 +178,12 @@ def declare(name: str, fn: Callable) -> Implementation:
       raise CapabilityError(f"{name}.ua_seq_len_multiple must be a positive int, "
                             f"got {multiple!r}")
     kwargs["seq_len_multiple"] = multiple
+  if hasattr(fn, "ua_unsharded"):
+    single = fn.ua_unsharded
+    if not isinstance(single, str) or ":" not in single:
+      raise CapabilityError(f"{name}.ua_unsharded must name the single-device op as "
+                            f"'module:function', got {single!r}")
+    kwargs["unsharded"] = single
   for attr in ("ua_config", "ua_cap_forms"):
     if hasattr(fn, attr):
       if not callable(getattr(fn, attr)):

@@ -6,12 +6,13 @@ says which cases each applies to; properties/verifier.py runs them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 
 from .bias import CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, output_dtype, stats, verdicts
-from .capabilities import Implementation
+from .capabilities import Implementation, load_impl
 from .case import Case
 from .inputs import logit_scale, make_inputs
 from .runner import (baseline, evaluate, evaluate_arrays, evaluate_forward, reference_result,
@@ -295,3 +296,24 @@ def deterministic(impl, case: Case):
     if not np.array_equal(first[e.name], second[e.name], equal_nan=True):
       raise PropertyFailure(f"two identical calls differ in {e.name}", errors)
   return errors
+
+
+# --------------------------------------------------------------------------- #
+# A sharded op against the same op on one device.
+
+def sharded_equals_unsharded(impl, case: Case):
+  """A sharded op (one that declares ``ua_unsharded``) equals its single-device
+  counterpart on the same inputs, outputs and gradients, within two of the
+  case's tolerances, as the other metamorphic properties: a failure then points
+  at the sharding (layout, ring, merge), where matches_oracle's would not say."""
+  single = _unsharded(impl.unsharded)
+  inputs = make_inputs(case)
+  return _require(score(case, evaluate(impl, case, inputs),
+                        expected=evaluate(single, case, inputs), slack=2.0),
+                  f"{impl.name} differs from {single.name}")
+
+
+@functools.lru_cache(maxsize=None)
+def _unsharded(spec: str) -> Implementation:
+  """One Implementation per counterpart, so its compiled calls are reused."""
+  return load_impl(spec)

@@ -45,10 +45,15 @@ class Property:
   # Whether a case's input seed changes what the check sees, so that further
   # seeds of one compiled configuration are further evidence, not repeats.
   seed_matters: Callable[[Case], bool] = _always
+  # Whether it compares the implementation with its declared single-device
+  # counterpart (ua_unsharded), which only a sharded op declares.
+  needs_unsharded: bool = False
 
   def unsupported_by(self, impl, dtype: str | None = None) -> str | None:
     """Why ``impl`` (with its declarations) cannot run this property, or None.
     The one place that decides; the strategies then draw within what remains."""
+    if self.needs_unsharded and impl.unsharded is None:
+      return f"{impl.name} declares no ua_unsharded (it is not a sharded op)"
     missing = set(self.require) & impl.unsupported
     if missing:
       return f"{impl.name} declares {sorted(missing)} unsupported"
@@ -110,6 +115,8 @@ PROPERTIES = (
     Property("gqa_equals_repeated_heads", checks.gqa_equals_repeated_heads, 4,
              require=frozenset({"gqa"})),
     Property("deterministic", checks.deterministic, 3),
+    Property("sharded_equals_unsharded", checks.sharded_equals_unsharded, 4,
+             needs_unsharded=True),
 )
 BY_NAME = {p.name: p for p in PROPERTIES}
 

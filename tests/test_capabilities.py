@@ -36,6 +36,8 @@ def _fn(**attrs):
     (dict(ua_block_sizes="64"), "tuple of ints"),
     (dict(ua_seq_len_multiple=0), "ua_seq_len_multiple must be a positive int"),
     (dict(ua_seq_len_multiple=4.0), "ua_seq_len_multiple must be a positive int"),
+    (dict(ua_unsharded="ua_kernels.attention"), "ua_unsharded must name the single-device op"),
+    (dict(ua_unsharded=print), "ua_unsharded must name the single-device op"),
 ])
 def test_bad_declarations_are_errors(attrs, message):
   with pytest.raises(CapabilityError, match=message):
@@ -155,3 +157,37 @@ def test_a_document_alone_is_padded_to_a_declared_length_multiple():
   errors = checks.packed_equals_separate(impl, case)
   assert errors and all(e.ok for e in errors)
   assert all(t % 4 == 0 for t in lengths) and 4 in lengths
+
+
+def test_a_sharded_op_is_checked_against_its_unsharded_counterpart():
+  """sharded_equals_unsharded runs only for an implementation that names its
+  single-device counterpart (ua_unsharded); it passes the same op and fails one
+  whose shards forget each other's keys (each half of the sequence attends
+  only to its own half), a ring that never turns."""
+  import jax.numpy as jnp
+  import ua_reference
+  from properties import checks
+  from properties.case import Case
+  from properties.registry import get
+
+  def whole(q, k, v, **kwargs):
+    return ua_reference.attention(q, k, v, **kwargs)
+
+  def halves(q, k, v, **kwargs):
+    h = q.shape[1] // 2
+    parts = [ua_reference.attention(q[:, s], k[:, s], v[:, s], **kwargs)
+             for s in (slice(0, h), slice(h, None))]
+    return jnp.concatenate(parts, axis=1)
+
+  prop = get("sharded_equals_unsharded")
+  assert "declares no ua_unsharded" in prop.unsupported_by(declare("mod:attention", whole))
+  case = Case(batch=1, seq_len=8, num_q_heads=2, num_kv_heads=2, head_dim=16, dtype="float32",
+              seed=5)
+  for fn in (whole, halves):
+    fn.ua_unsharded = "ua_reference:attention"
+  impl = declare("mod:whole", whole)
+  assert prop.unsupported_by(impl) is None
+  errors = checks.sharded_equals_unsharded(impl, case)
+  assert errors and all(e.ok for e in errors)
+  with pytest.raises(checks.PropertyFailure, match="mod:halves differs from ua_reference:attention"):
+    checks.sharded_equals_unsharded(declare("mod:halves", halves), case)

@@ -20,6 +20,7 @@ around the ring with their shard. Those pairs run on the Triton kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -124,71 +125,122 @@ def _unzigzag(x, shards: int, axis: int = 1):
 def _ring(q, k, v, extras, *, plain, block, axis, shards, causal, by_block, z_loss_weight,
           out_dtype):
   """One device's part: its two query chunks against every key chunk of the ring.
-  ``extras``: the local temperature and segment ids, where given."""
-  device = lax.axis_index(axis)
-  half = q.shape[1] // 2
-  chunk = lambda x, i: None if x is None else x[:, i * half:(i + 1) * half]
-  temperature, seg = extras.get("temperature"), extras.get("segment_ids")
-  own = (device, 2 * shards - 1 - device)  # global chunk numbers of the local chunks
-  kv_seg = seg  # the keys' segment ids travel with their shard
-  partial = [None, None]
-  for step in range(shards):
-    source = (device - step) % shards  # whose keys this device holds at this step
-    for i in range(2):
-      for j, k_id in enumerate((source, 2 * shards - 1 - source)):
-        args = (chunk(q, i), chunk(k, j), chunk(v, j), chunk(temperature, i))
-        if by_block:
-          pair = _block_pair(block, *args, chunk(seg, i), chunk(kv_seg, j),
-                             (own[i] - k_id) * half, causal and k_id > own[i])
-        else:
-          pair = _pair(plain, *args, own[i], k_id, causal)
-        partial[i] = pair if partial[i] is None else _merge(partial[i], pair)
-    if step < shards - 1:
-      perm = [(d, (d + 1) % shards) for d in range(shards)]
-      k, v = lax.ppermute(k, axis, perm), lax.ppermute(v, axis, perm)
-      if kv_seg is not None:
-        kv_seg = lax.ppermute(kv_seg, axis, perm)
+  ``extras``: the local temperature and segment ids, where given. The first step
+  (the device's own keys) is written out; the others are one ``lax.scan`` body,
+  which receives the next shard and attends to it, so the program holds the
+  kernels of two steps whatever the shard count."""
+  local = _Local(device=lax.axis_index(axis), shards=shards, half=q.shape[1] // 2, q=q,
+                 temperature=extras.get("temperature"), seg=extras.get("segment_ids"))
+  step = functools.partial(_ring_step, local, plain=plain, block=block, causal=causal,
+                           by_block=by_block)
+  kv = (k, v, local.seg)  # the keys' segment ids travel with their shard
+  partial = step(kv, None, 0)
+  perm = [(d, (d + 1) % shards) for d in range(shards)]
+
+  def next_shard(carry, step_index):
+    kv, partial = carry
+    kv = tuple(None if x is None else lax.ppermute(x, axis, perm) for x in kv)
+    return (kv, step(kv, partial, step_index)), None
+
+  if shards > 1:
+    (_, partial), _ = lax.scan(next_shard, (kv, partial), jnp.arange(1, shards))
   outs, lses = zip(*(_finish(o, lse, z_loss_weight, out_dtype) for o, lse in partial))
   return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
 
 
-def _empty_part(q, v):
-  """The part of a pair that sees no key: out 0 (float32), lse -inf."""
-  b, c, h, _ = q.shape
-  return (jnp.zeros(q.shape[:3] + (v.shape[3],), jnp.float32),
-          jnp.full((b, h, c), -jnp.inf, jnp.float32))
+@dataclasses.dataclass(frozen=True)
+class _Local:
+  """What a device holds of its own: its index, its two query chunks (global
+  chunks ``device`` and ``2 shards - 1 - device``, ``half`` rows each) and their
+  temperature and segment ids."""
+
+  device: jax.Array
+  shards: int
+  half: int
+  q: jax.Array
+  temperature: jax.Array | None
+  seg: jax.Array | None
+
+  def chunk(self, x, i):
+    return None if x is None else x[:, i * self.half:(i + 1) * self.half]
+
+  def own(self, i):
+    return self.device if i == 0 else 2 * self.shards - 1 - self.device
 
 
-def _pair(call, q, k, v, temperature, q_id, k_id, causal):
-  """(out float32 [B, c, H, D], lse [B, H, c]) of query chunk q_id against key
-  chunk k_id: every key visible, or (causal) the diagonal's causal call, or
-  none (_empty_part, no kernel)."""
-  def part(causal):
-    def run(q, k, v, temperature):
-      out, lse = call(q, k, v, temperature=temperature, causal=causal)
-      return out.astype(jnp.float32), lse
-    return run
+def _ring_step(local, kv, partial, step, *, plain, block, causal, by_block):
+  """Both query chunks against the key chunks held at ``step`` (the shard of
+  device - step), merged into ``partial`` (None before the first step). Which
+  pairs are hidden, diagonal or full is known here from ``step == 0`` alone,
+  except which of (chunk 0, keys' chunk 0) and (chunk 1, keys' chunk 1) is full
+  at a later step: one kernel runs on the pair selected (``_either``)."""
+  k, v, kv_seg = kv
+  first = isinstance(step, int) and step == 0
+  source = (local.device - step) % local.shards  # whose keys this device holds
+  k_ids = (source, 2 * local.shards - 1 - source)
+  run = functools.partial(_run_pair, local, kv, k_ids, plain=plain, block=block,
+                          by_block=by_block)
+  if not causal and not by_block:
+    # Every pair full: one call of both query chunks against both key chunks.
+    out, lse = _call(plain, local.q, k, v, local.temperature, causal=False)
+    parts = [((local.chunk(out, i), lse[:, :, i * local.half:(i + 1) * local.half]),)
+             for i in range(2)]
+  elif not causal:
+    parts = [tuple(run(i, j) for j in range(2)) for i in range(2)]
+  elif first:
+    # Own keys: chunk 0 sees its diagonal only, chunk 1 all of chunk 0 and its diagonal.
+    parts = [(run(0, 0, diagonal=True),), (run(1, 0), run(1, 1, diagonal=True))]
+  else:
+    # Chunk 1 (from the back half) sees all of the early key chunk and chunk 0 none of
+    # the late one; of the other two pairs exactly one is full: chunk 0's if the
+    # keys' early chunk lies before it, else chunk 1's.
+    either = _either(source < local.device, run)
+    parts = [(either[0],), (run(1, 0), either[1])]
+  merged = []
+  for i in range(2):
+    acc = None if partial is None else partial[i]
+    for part in parts[i]:
+      acc = part if acc is None else _merge(acc, part)
+    merged.append(acc)
+  return tuple(merged)
 
-  if not causal:
-    return part(False)(q, k, v, temperature)
-  kind = jnp.where(k_id < q_id, 0, jnp.where(k_id == q_id, 1, 2))
-  hidden = lambda q, k, v, temperature: _empty_part(q, v)
-  return lax.switch(kind, (part(False), part(True), hidden), q, k, v, temperature)
 
-
-def _block_pair(block, q, k, v, temperature, seg, kv_seg, offset, hidden):
-  """A pair through the kernels' key blocks (a window or segment ids): the
-  queries lie ``offset`` after the keys; a pair ``hidden`` by causality runs
-  no kernel (lax.cond), the kernels' tile ranges skip the rest that is hidden."""
-  def run(q, k, v, temperature, seg, kv_seg, offset):
-    out, lse = block(q, k, v, temperature=temperature, segment_ids=seg,
-                     kv_segment_ids=kv_seg, offset=offset)
+def _run_pair(local, kv, k_ids, i, j, *, plain, block, by_block, diagonal=False, pick=None):
+  """(out float32, lse) of query chunk i against key chunk j. ``pick``: a
+  traced bool choosing the pair (0, 0) where true and (1, 1) where false (i and
+  j are then ignored)."""
+  k, v, kv_seg = kv
+  chunk = local.chunk
+  if pick is None:
+    sel = lambda a, b: a if i == 0 else b
+    qi, ti, si = chunk(local.q, i), chunk(local.temperature, i), chunk(local.seg, i)
+    kj, vj, kvj = chunk(k, j), chunk(v, j), chunk(kv_seg, j)
+    own, k_id = local.own(i), k_ids[j]
+  else:
+    sel = lambda a, b: None if a is None else jnp.where(pick, a, b)
+    both = lambda x: sel(chunk(x, 0), chunk(x, 1))
+    qi, ti, si = both(local.q), both(local.temperature), both(local.seg)
+    kj, vj, kvj = both(k), both(v), both(kv_seg)
+    own, k_id = sel(local.own(0), local.own(1)), sel(k_ids[0], k_ids[1])
+  if by_block:
+    out, lse = block(qi, kj, vj, temperature=ti, segment_ids=si, kv_segment_ids=kvj,
+                     offset=(own - k_id) * local.half)
     return out.astype(jnp.float32), lse
+  return _call(plain, qi, kj, vj, ti, causal=diagonal)
 
-  def skip(q, k, v, temperature, seg, kv_seg, offset):
-    return _empty_part(q, v)
 
-  return lax.cond(hidden, skip, run, q, k, v, temperature, seg, kv_seg, offset)
+def _either(pick, run):
+  """The two parts of the pair selected by ``pick`` (see _run_pair): the one
+  that ran where it was selected, an empty part (out 0, lse -inf: nothing to
+  merge) where not."""
+  out, lse = run(None, None, pick=pick)
+  empty = lambda keep: (jnp.where(keep, out, 0.0), jnp.where(keep, lse, -jnp.inf))
+  return empty(pick), empty(jnp.logical_not(pick))
+
+
+def _call(plain, q, k, v, temperature, *, causal):
+  out, lse = plain(q, k, v, temperature=temperature, causal=causal)
+  return out.astype(jnp.float32), lse
 
 
 def _merge(a, b):
@@ -238,6 +290,7 @@ def _on_devices(shards: int):
   # edges (a window then crosses the T / 2P chunks' boundaries at several places).
   sharded.ua_block_sizes = (16,)
   sharded.ua_dtypes = tuple(jnp.dtype(d).name for d in SUPPORTED_DTYPES)
+  sharded.ua_unsharded = "ua_kernels:attention"  # checked against it, case by case
   return sharded
 
 
