@@ -258,6 +258,12 @@ CONFIGS = {
              (4, 4096, 16, 16, 128, True, 0, 0.0, 512), (1, 1024, 16, 16, 128, True, 0, 0.0, 0),
              (1, 32768, 16, 16, 128, True, 0, 0.0, 0)],
 }
+# The speed targets' shape classes (docs/BENCHMARKS.md): T of 1k, 4k and 16k at 16k tokens a
+# call, head dims 64, 128 and 256, full and causal; T = 4096 first, so that a run cut short
+# still has the headline shape's classes.
+CONFIGS["targets"] = [(16384 // t, t, 16, 16, d, causal, 0, 0.0, 0)
+                      for t in (4096, 1024, 16384) for d in (128, 64, 256)
+                      for causal in (False, True)]
 
 
 # --set features: each option of the contract added to one plain shape, timed
@@ -357,9 +363,18 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
                       help="q, k, v dtype (every peer gets the same)")
   parser.add_argument("--json", default="bench.json")
+  parser.add_argument("--impls", default=None,
+                      help="comma-separated names of the implementations to time (as the "
+                           "result rows name them), e.g. ua_kernels,jax.nn.dpa[cudnn],tokamax; "
+                           "default: all")
   options = parser.parse_args(argv)
   if options.repeats < 1:
     parser.error(f"--repeats must be at least 1, got {options.repeats}")
+  wanted = None if options.impls is None else set(options.impls.split(","))
+  known = {"ua_kernels", "ua_kernels[triton]", *PEER_CONFIGS}
+  if wanted is not None and (not wanted or wanted - known):
+    parser.error(f"--impls names unknown implementations {sorted(wanted - known)}; "
+                 f"known: {sorted(known)}")
   if jax.default_backend() != "gpu":
     print(f"ua-bench: no GPU (jax backend {jax.default_backend()}): the kernels run in the "
           "Pallas interpreter, slowly, and the times say nothing of a GPU", file=sys.stderr,
@@ -395,6 +410,8 @@ def main(argv=None):
                **PEER_CONFIGS}
     if not options.no_peers:
       impls.update(peers(causal, window, cap, doc, hq, hkv))
+    if wanted is not None:
+      impls = {name: fn for name, fn in impls.items() if name in wanted}
     label = f"B{b} T{t} H{hq}/{hkv} D{d}" + ("" if options.dtype == "bfloat16" else " f16") + \
         (" causal" if causal else "") + \
         (f" win{window}" if window else "") + (f" tanh{cap:g}" if cap else "") + \
@@ -413,13 +430,15 @@ def main(argv=None):
                    "fwd_tflops": flops / fwd[name] / 1e9,
                    "fwd_bwd_tflops": 3.5 * flops / bwd[name] / 1e9,
                    "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2 ** 30})
-    if not options.no_peers and not window and not doc and hq == hkv:
+    flex_wanted = wanted is None or {"torch_flex", "torch_flex_tanh"} & wanted
+    if not options.no_peers and flex_wanted and not window and not doc and hq == hkv:
       flex = torch_flex(b, t, hq, d, causal, cap, options.repeats, options.dtype)
       if flex:
         name = "torch_flex" + ("_tanh" if cap else "")
         rows.append({"case": label, "impl": name, "config": configs[name],
                      "fwd_ms": flex[0], "fwd_bwd_ms": flex[1], "fwd_tflops": flops / flex[0] / 1e9,
                      "fwd_bwd_tflops": 3.5 * flops / flex[1] / 1e9})
+    _write(options.json, header, rows)  # after every configuration: a run cut short keeps its rows
   print(f"date={header['measured'][:10]} device={header['gpu']} commit={header['commit']} "
         + " ".join(f"{k}={v}" for k, v in header["versions"].items()))
   width = max([38, *(len(r["case"]) for r in rows)])
@@ -433,7 +452,11 @@ def main(argv=None):
             f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_tflops']:9.1f} {r.get('peak_gib_so_far', 0):8.1f}")
   print_target_ratios(rows)
   print_feature_ratios(rows)
-  with open(options.json, "w") as f:
+  _write(options.json, header, rows)
+
+
+def _write(path, header, rows):
+  with open(path, "w") as f:
     json.dump({**header, "rows": rows}, f, indent=1)
 
 
