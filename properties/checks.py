@@ -15,8 +15,8 @@ from .bias import CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, output_dtype, 
 from .capabilities import Implementation, load_impl
 from .case import Case
 from .inputs import logit_scale, make_inputs
-from .runner import (baseline, evaluate, evaluate_arrays, evaluate_forward, reference_result,
-                     score, x64)
+from .runner import (HarnessError, baseline, evaluate, evaluate_arrays, evaluate_forward,
+                     reference_result, score, x64)
 from .tolerance import OutputError, compare, error_table
 
 
@@ -306,10 +306,23 @@ def sharded_equals_unsharded(impl, case: Case):
   counterpart on the same inputs, outputs and gradients, within two of the
   case's tolerances, as the other metamorphic properties: a failure then points
   at the sharding (layout, ring, merge), where matches_oracle's would not say."""
-  single = _unsharded(impl.unsharded)
+  if impl.unsharded is None:
+    raise ValueError(f"{impl.name} declares no ua_unsharded: sharded_equals_unsharded has "
+                     "nothing to compare it with")
   inputs = make_inputs(case)
-  return _require(score(case, evaluate(impl, case, inputs),
-                        expected=evaluate(single, case, inputs), slack=2.0),
+  sharded = evaluate(impl, case, inputs)
+  # The counterpart's own trouble (it does not load, takes no such case, runs out
+  # of memory where only the sharded op fits) leaves the case unjudged.
+  try:
+    single = _unsharded(impl.unsharded)
+    why = single.supports(case)
+    if why is not None:
+      raise ValueError(f"it {why}")
+    expected = evaluate(single, case, inputs)
+  except Exception as exc:  # noqa: BLE001 -- re-raised as the harness's
+    raise HarnessError(f"the single-device counterpart {impl.unsharded} could not evaluate "
+                       f"the case: {type(exc).__name__}: {exc}") from exc
+  return _require(score(case, sharded, expected=expected, slack=2.0),
                   f"{impl.name} differs from {single.name}")
 
 

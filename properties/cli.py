@@ -334,6 +334,9 @@ def repro_main(argv=None) -> int:
     prop = get(payload.get("property", "matches_oracle"))
   except ValueError as exc:
     parser.error(f"{args.case_file}: {exc}")
+  declared = prop.unsupported_by(impl)
+  if declared is not None:
+    parser.error(f"{args.case_file}: {prop.name} does not run on {impl_name}: {declared}")
   case = payload["case"]
   recorded, now = payload.get("versions", {}), versions()
   where = now.get("device", now["backend"])

@@ -121,6 +121,9 @@ def why_invalid(impl: Implementation, prop: Property, case: Case) -> str | None:
   (the registry's require/forbid/any_of/applies, the implementation's
   declarations), or None. A candidate outside them is not a case the suite
   could have produced, so it is never run."""
+  declared = prop.unsupported_by(impl)
+  if declared is not None:
+    return declared
   features = case.features()
   if not prop.require <= features:
     return f"{prop.name} requires {sorted(prop.require - features)}"

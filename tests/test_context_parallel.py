@@ -1,7 +1,7 @@
 """Context-parallel attention (ua_kernels.context_parallel) over virtual CPU
 devices: the sharded op against the single-device kernels, outputs and every
-gradient, for 2 shards (not causal) and 4 (causal: the zig-zag layout's full,
-diagonal and hidden pairs), with windows that cross shard boundaries, documents
+gradient, for 2 shards (not causal), 4 and 3 (causal: the zig-zag layout's
+full, diagonal and hidden pairs), with windows that cross shard boundaries, documents
 that span shards, GQA, temperature, a cap, the z-loss and lse, and without key
 blocks (the kernels' own full and diagonal pairs); every property of the suite
 over 2 and 4 shards, sharded_equals_unsharded included; and clear errors for bad
@@ -45,19 +45,23 @@ SCRIPT = textwrap.dedent("""
     seg = jnp.asarray(np.cumsum(rng.random(T) < 0.1)[None], jnp.int32)
     f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
     # Key blocks (a window, documents) and the kernels' own pairs (neither), each
-    # over 2 shards not causal and 4 causal.
+    # over 2 shards not causal and 4 causal; and 3 causal shards with key blocks (a
+    # ring of three steps: a middle one in the scan), on the first 60 positions.
     for shards, causal, window, with_seg in ((2, False, 12, True), (4, True, 12, True),
-                                             (2, False, 0, False), (4, True, 0, False)):
+                                             (2, False, 0, False), (4, True, 0, False),
+                                             (3, True, 12, True)):
+      t = T - T % (2 * shards)
+      cut = lambda x, axis=1: None if x is None else jax.lax.slice_in_dim(x, 0, t, axis=axis)
       mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
-      kw = dict(causal=causal, window_len=window, segment_ids=seg if with_seg else None,
-                cap_method="tanh", cap_params=(3.0,), temperature=temp, z_loss_weight=0.1,
+      kw = dict(causal=causal, window_len=window, segment_ids=cut(seg) if with_seg else None,
+                cap_method="tanh", cap_params=(3.0,), temperature=cut(temp), z_loss_weight=0.1,
                 return_lse=True)
       results = []
       for f in (lambda q, k, v: ua_kernels.attention(q, k, v, **kw),
                 jax.jit(lambda q, k, v: context_parallel.attention(
                     q, k, v, mesh=mesh, axis="context", **kw))):
-        (out, lse), vjp = jax.vjp(f, q, k, v)
-        results.append([out, lse, *vjp((dout, dlse))])
+        (out, lse), vjp = jax.vjp(f, cut(q), cut(k), cut(v))
+        results.append([out, lse, *vjp((cut(dout), cut(dlse, axis=2)))])
       for name, one, sharded in zip(("out", "lse", "dq", "dk", "dv"), *results):
         scale = max(float(np.abs(f32(one)).max()), 1.0)
         err = float(np.abs(f32(one) - f32(sharded)).max())
@@ -84,7 +88,7 @@ def test_sharded_matches_the_single_device_call():
   refused = [line for line in lines if line.startswith("refused:")]
   assert len(refused) == 1 and "multiple of twice" in refused[0], proc.stdout
   rows = [line.split() for line in lines if line not in refused]
-  assert len(rows) == 20, proc.stdout
+  assert len(rows) == 25, proc.stdout
   worst = {(config, name): float(err) for config, name, err in rows}
   assert all(err < BOUND for err in worst.values()), worst
 

@@ -125,25 +125,31 @@ def _unzigzag(x, shards: int, axis: int = 1):
 def _ring(q, k, v, extras, *, plain, block, axis, shards, causal, by_block, z_loss_weight,
           out_dtype):
   """One device's part: its two query chunks against every key chunk of the ring.
-  ``extras``: the local temperature and segment ids, where given. The first step
-  (the device's own keys) is written out; the others are one ``lax.scan`` body,
-  which receives the next shard and attends to it, so the program holds the
-  kernels of two steps whatever the shard count."""
+  ``extras``: the local temperature and segment ids, where given. Each step sends
+  the shard it holds on to the next device while it attends to it, so the
+  transfer overlaps the kernels. The first step (the device's own keys) and the
+  last (which sends nothing) are written out and the ones between are one
+  ``lax.scan`` body: the program holds the kernels of three steps whatever the
+  shard count."""
   local = _Local(device=lax.axis_index(axis), shards=shards, half=q.shape[1] // 2, q=q,
                  temperature=extras.get("temperature"), seg=extras.get("segment_ids"))
   step = functools.partial(_ring_step, local, plain=plain, block=block, causal=causal,
                            by_block=by_block)
-  kv = (k, v, local.seg)  # the keys' segment ids travel with their shard
-  partial = step(kv, None, 0)
   perm = [(d, (d + 1) % shards) for d in range(shards)]
+  send_on = lambda kv: tuple(None if x is None else lax.ppermute(x, axis, perm) for x in kv)
+  kv = (k, v, local.seg)  # the keys' segment ids travel with their shard
+  if shards == 1:
+    partial = step(kv, None, 0)
+  else:
+    kv, partial = send_on(kv), step(kv, None, 0)
 
-  def next_shard(carry, step_index):
-    kv, partial = carry
-    kv = tuple(None if x is None else lax.ppermute(x, axis, perm) for x in kv)
-    return (kv, step(kv, partial, step_index)), None
+    def middle_step(carry, step_index):
+      kv, partial = carry
+      return (send_on(kv), step(kv, partial, step_index)), None
 
-  if shards > 1:
-    (_, partial), _ = lax.scan(next_shard, (kv, partial), jnp.arange(1, shards))
+    if shards > 2:
+      (kv, partial), _ = lax.scan(middle_step, (kv, partial), jnp.arange(1, shards - 1))
+    partial = step(kv, partial, shards - 1)
   outs, lses = zip(*(_finish(o, lse, z_loss_weight, out_dtype) for o, lse in partial))
   return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=2)
 
@@ -174,7 +180,7 @@ def _ring_step(local, kv, partial, step, *, plain, block, causal, by_block):
   pairs are hidden, diagonal or full is known here from ``step == 0`` alone,
   except which of (chunk 0, keys' chunk 0) and (chunk 1, keys' chunk 1) is full
   at a later step: one kernel runs on the pair selected (``_either``)."""
-  k, v, kv_seg = kv
+  k, v, _ = kv
   first = isinstance(step, int) and step == 0
   source = (local.device - step) % local.shards  # whose keys this device holds
   k_ids = (source, 2 * local.shards - 1 - source)
@@ -208,11 +214,12 @@ def _ring_step(local, kv, partial, step, *, plain, block, causal, by_block):
 def _run_pair(local, kv, k_ids, i, j, *, plain, block, by_block, diagonal=False, pick=None):
   """(out float32, lse) of query chunk i against key chunk j. ``pick``: a
   traced bool choosing the pair (0, 0) where true and (1, 1) where false (i and
-  j are then ignored)."""
+  j are then ignored). ``diagonal`` picks the kernels' causal call; a key block
+  needs no such flag (``block`` has the op's ``causal`` bound and the offset says
+  where the pair lies)."""
   k, v, kv_seg = kv
   chunk = local.chunk
   if pick is None:
-    sel = lambda a, b: a if i == 0 else b
     qi, ti, si = chunk(local.q, i), chunk(local.temperature, i), chunk(local.seg, i)
     kj, vj, kvj = chunk(k, j), chunk(v, j), chunk(kv_seg, j)
     own, k_id = local.own(i), k_ids[j]
