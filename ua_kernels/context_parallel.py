@@ -167,8 +167,9 @@ class _Local:
   temperature: jax.Array | None
   seg: jax.Array | None
 
-  def chunk(self, x, i):
-    return None if x is None else x[:, i * self.half:(i + 1) * self.half]
+  def chunk(self, x, i, axis=1):
+    return None if x is None else lax.slice_in_dim(x, i * self.half, (i + 1) * self.half,
+                                                   axis=axis)
 
   def own(self, i):
     return self.device if i == 0 else 2 * self.shards - 1 - self.device
@@ -189,8 +190,7 @@ def _ring_step(local, kv, partial, step, *, plain, block, causal, by_block):
   if not causal and not by_block:
     # Every pair full: one call of both query chunks against both key chunks.
     out, lse = _call(plain, local.q, k, v, local.temperature, causal=False)
-    parts = [((local.chunk(out, i), lse[:, :, i * local.half:(i + 1) * local.half]),)
-             for i in range(2)]
+    parts = [((local.chunk(out, i), local.chunk(lse, i, axis=2)),) for i in range(2)]
   elif not causal:
     parts = [tuple(run(i, j) for j in range(2)) for i in range(2)]
   elif first:
