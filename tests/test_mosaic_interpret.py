@@ -128,7 +128,36 @@ def test_a_program_of_padding_keys_matches_triton(interpreter_gaps):
   _compare(shape_class, tiles)
 
 
-def _compare(shape_class, tiles):
+# Persistent forwards of several work items per program (multiprocessors()
+# patched to 4): the K/V ring runs on from one item into the next at every
+# offset of its slots, the next item's Q is loaded during an item's epilogue,
+# through O's own buffer (head dim 64) or Q's (256, whose O does not fit
+# beside it); causal and packed documents (which the table runs one program
+# per item) give the items unequal ranges, with drained tiles.
+PERSISTENT_CLASSES = [
+    (2, 384, 3, 3, 64, jnp.bfloat16, {}),
+    (1, 300, 3, 1, 256, jnp.float16, dict(cap_method="tanh", cap_params=(5.0,))),
+    (1, 384, 2, 2, 128, jnp.bfloat16, dict(causal=True)),
+    (3, 300, 2, 1, 64, jnp.bfloat16, dict(segment_ids=True, causal=True)),
+]
+
+
+@pytest.mark.parametrize("shape_class", PERSISTENT_CLASSES,
+                         ids=lambda c: f"T{c[1]}-D{c[4]}-{'-'.join(sorted(c[6])) or 'plain'}")
+def test_a_persistent_forward_of_several_items_per_program_matches_triton(
+    shape_class, interpreter_gaps, monkeypatch):
+  monkeypatch.setattr(mosaic_common, "multiprocessors", lambda: 4)
+  b, t, hq, _, d, dtype, _ = shape_class
+  tiles = MosaicTiles(persistent=True)
+  x = jnp.zeros((b, t, hq, d), dtype)
+  filled = effective_config(validate(x, x, x)[0], dtype, KernelConfig(mosaic=tiles)).mosaic
+  items = b * hq * mosaic_common.padded_length(t, 2 * filled.block_q, filled.block_kv) // (
+      2 * filled.block_q)
+  assert items > 4 and items % 4, "every program takes several items, not all as many"
+  _compare(shape_class, tiles, backward=False)
+
+
+def _compare(shape_class, tiles, backward=True):
   (q, k, v), inputs, options = _gpu_inputs(shape_class)
   spec, seg, temp = validate(q, k, v, **options, **inputs)
   temp = None if temp is None else temp.astype(jnp.float32)
@@ -145,7 +174,7 @@ def _compare(shape_class, tiles):
 
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
     out_m, lse2_m = mosaic_forward.forward(spec, tiles, q, k, v, seg, temp, fast_cap=fast_cap)
-    if mosaic_backward.unsupported(spec, q.dtype) is None:
+    if backward and mosaic_backward.unsupported(spec, q.dtype) is None:
       delta = attention_module._delta(spec, out, dout, lse2, dlse)
       grads_m = mosaic_backward.backward(spec, tiles, q, k, v, seg, temp, lse2, delta, dout,
                                          fast_cap=fast_cap)

@@ -38,7 +38,11 @@ class MosaicTiles:
   tile; ``stages``: slots of the K/V ring. Backward: the dq kernel owns
   ``block_q_dq`` query rows per warpgroup and streams ``block_kv_dq`` keys;
   the dk/dv kernel owns ``block_kv_dkv`` keys per warpgroup and streams
-  ``block_q_dkv`` queries; both with rings of ``stages_bwd`` slots. Above head
+  ``block_q_dkv`` queries; both with rings of ``stages_bwd`` slots.
+  ``persistent``: the forward runs one program per multiprocessor, each
+  taking work items in turn, so that its K/V ring streams on from one item
+  into the next and the next item's Q arrives during this one's epilogue.
+  Above head
   dim 128 the dq kernel streams at most 64 keys, and backward tiles whose
   shared memory does not fit run the backward on Triton
   (mosaic_backward.halves_shared_memory)."""
@@ -51,8 +55,12 @@ class MosaicTiles:
   block_q_dkv: int | None = None
   block_kv_dkv: int | None = None
   stages_bwd: int | None = None
+  persistent: bool | None = None
 
   def __post_init__(self):
+    if self.persistent is not None and not isinstance(self.persistent, bool):
+      raise ValueError(f"MosaicTiles.persistent must be a bool or None (tuned), "
+                       f"got {self.persistent!r}")
     for name, allowed in (("block_q", (64, 128)), ("block_kv", (64, 128, 256)),
                           ("block_q_dq", (64, 128)), ("block_kv_dq", (64, 128)),
                           ("block_q_dkv", (64, 128)), ("block_kv_dkv", (64, 128))):

@@ -10,6 +10,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -28,6 +29,8 @@ HEAD_DIM_MULTIPLE = 64
 MAX_SHARED_MEMORY = 232448
 # Bytes of one mbarrier in shared memory.
 BARRIER_BYTES = 8
+# Streaming multiprocessors of an H100 or H200 SXM.
+HOPPER_MULTIPROCESSORS = 132
 
 
 def scratch_bytes(scratch) -> int:
@@ -75,28 +78,45 @@ def producer_ring(lo, hi, stages: int, locate: Callable[[Any], Any],
   arrives at its own loaded barrier. ``locate(step)`` is evaluated once per
   step, after its slot, for the copies' sources.
 
-  After the last copy the ring observes the last release of every slot: a
-  barrier's final phase is waited for by each thread that waits on it
-  (Mosaic's interpreter checks this), at no cost."""
+  After the last copy the ring observes the last release of every slot
+  (ring_observe)."""
+  plgpu().set_max_registers(40, action="decrease")
+  ring_steps(lo, hi, lo, stages, locate, groups)
+  ring_observe(hi - lo, stages, groups)
+
+
+def ring_steps(lo, hi, origin, stages: int, locate: Callable[[Any], Any],
+               groups: Sequence[tuple[Any, Sequence[RingCopy]]]):
+  """producer_ring's copies of steps [lo, hi) of a ring whose step 0 is
+  ``origin`` (lo - origin steps went before, for a persistent program's
+  earlier work items): step ``step`` uses slot ring_slot(step, origin, stages)
+  and waits for that slot's release from ``origin + stages`` on."""
   mgpu = plgpu()
-  mgpu.set_max_registers(40, action="decrease")
 
   @pl.loop(lo, hi)
   def _(step):
-    s = ring_slot(step, lo, stages)
+    s = ring_slot(step, origin, stages)
     where = locate(step)
     for free, copies in groups:
-      @pl.when(step >= lo + stages)
+      @pl.when(step >= origin + stages)
       def _():
         mgpu.barrier_wait(free.at[s])
 
       for copy in copies:
         mgpu.copy_gmem_to_smem(copy.source(where), copy.buffer.at[s], copy.loaded.at[s])
 
-  @pl.loop(jnp.maximum(hi - stages, lo), hi)
+
+def ring_observe(steps, stages: int, groups: Sequence[tuple[Any, Sequence[RingCopy]]]):
+  """After a ring's last of ``steps`` steps (counted from its origin), the
+  memory warpgroup waits for the last release of every slot used: a barrier's
+  final phase is waited for by each thread that waits on it (Mosaic's
+  interpreter checks this), at no cost."""
+  mgpu = plgpu()
+
+  @pl.loop(jnp.maximum(steps - stages, 0), steps)
   def _(step):
     for free, _ in groups:
-      mgpu.barrier_wait(free.at[ring_slot(step, lo, stages)])
+      mgpu.barrier_wait(free.at[ring_slot(step, 0, stages)])
 
 
 def position_tiles(shape, q_start, k_start, query_axis: int):
@@ -227,6 +247,16 @@ def approx_math(spec: StaticSpec, fast_cap: bool) -> bool:
   fast forms (bfloat16). Exact caps (float16; caps above FAST_CAP_MAX_PARAM)
   keep accurate transcendentals."""
   return spec.cap_method == "none" or fast_cap
+
+
+def multiprocessors() -> int:
+  """Streaming multiprocessors of the first GPU jax sees, for a persistent
+  kernel's program count; 132 (an H100 or H200 SXM) where none is present
+  (the kernels lower for CUDA on a machine without one)."""
+  for device in jax.devices():
+    if device.platform == "gpu" and getattr(device, "core_count", 0):
+      return int(device.core_count)
+  return HOPPER_MULTIPROCESSORS
 
 
 def padded_head_dim(head_dim: int) -> int:

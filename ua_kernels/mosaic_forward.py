@@ -73,7 +73,9 @@ def unsupported(spec: StaticSpec, dtype) -> str | None:
 class ForwardParams:
   """The static parameters of one forward kernel: the contract's rules
   (``spec``; ``spec_padded`` is it over the padded length, which tile ranges
-  count over), the tiles and the inputs' dtype and options."""
+  count over), the tiles, the inputs' dtype and options, and the work's
+  layout: ``programs`` persistent programs (0: one program per work item, a
+  grid of heads x q_tiles x batch)."""
   spec: StaticSpec
   spec_padded: StaticSpec
   dtype: Any
@@ -86,23 +88,33 @@ class ForwardParams:
   shift: float | None   # tile_math.fixed_shift
   fast_cap: bool
   rounded_sum: bool     # softmax_state.sums_rounded: out normalised by P @ ones
+  q_tiles: int = 1      # work items per (batch, head): padded length / rows
+  programs: int = 0     # persistent programs (0: not persistent)
+  separate_out: bool = False  # O leaves through its own buffer, not Q's
 
   @property
   def rows(self) -> int:
     return 2 * self.block_q
 
+  @property
+  def items(self) -> int:
+    return self.spec.batch * self.spec.num_q_heads * self.q_tiles
+
 
 def forward_scratch(p: ForwardParams) -> list:
-  """The forward kernel's shared memory: Q tiles (which hold O on their way
-  out), the K and V rings, the lse rows, then the barriers: Q loaded, K and V
-  loaded per slot, K and V free per slot, the schedule barrier; with
-  ``rounded_sum`` a ones tile per compute warpgroup and its loaded barrier."""
+  """The forward kernel's shared memory: Q tiles (which hold O on its way out
+  unless ``separate_out``), the K and V rings, the lse rows, then the
+  barriers: Q loaded, K and V loaded per slot, K and V free per slot, the
+  schedule barrier; with ``rounded_sum`` a ones tile per compute warpgroup
+  and its loaded barrier; with ``separate_out`` O's tiles."""
   plgpu = mosaic_common.plgpu()
   swizzled = mosaic_common.swizzled()
   rounded = [
       plgpu.SMEM((2, USED_SUM_COLUMNS, p.block_kv), p.dtype, transforms=swizzled),
       plgpu.Barrier(num_barriers=2),
   ] if p.rounded_sum else []
+  out = ([plgpu.SMEM((2, p.block_q, p.head_dim), p.dtype, transforms=swizzled)]
+         if p.separate_out else [])
   return [
       plgpu.SMEM((2, p.block_q, p.head_dim), p.dtype, transforms=swizzled),
       plgpu.SMEM((p.stages, p.block_kv, p.head_dim), p.dtype, transforms=swizzled),
@@ -115,53 +127,163 @@ def forward_scratch(p: ForwardParams) -> list:
       plgpu.Barrier(num_arrivals=2, num_barriers=p.stages),
       plgpu.Barrier(num_arrivals=2),
       *rounded,
+      *out,
   ]
 
 
-def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, temp_ref,
-                   ones_ref, out_ref, lse_ref, q_smem2, k_smem, v_smem, lse_smem2,
-                   q_loaded, k_loaded, v_loaded, k_free, v_free, schedule, *rounded):
-  """One program: warpgroups 0 and 1 compute (_forward_compute), 2 streams the
-  key and value tiles of the hull of their ranges (producer_ring). ``ones_ref``
-  and ``rounded`` (its tiles and their barrier) only with ``p.rounded_sum``."""
-  plgpu = mosaic_common.plgpu()
-  bi = lax.axis_index("batch")
-  h = lax.axis_index("heads")
-  tile = lax.axis_index("q_tiles")
-  wg = lax.axis_index("wg")
-  kv_head = lax.div(h, jnp.int32(p.spec.group_size))
+class _Scratch(NamedTuple):
+  """forward_scratch's refs by name; ``out_smem2`` is Q's tiles unless
+  ``separate_out``, the ones' refs None without ``rounded_sum``."""
+  q_smem2: Any
+  k_smem: Any
+  v_smem: Any
+  lse_smem2: Any
+  q_loaded: Any
+  k_loaded: Any
+  v_loaded: Any
+  k_free: Any
+  v_free: Any
+  schedule: Any
+  ones_smem2: Any
+  ones_loaded: Any
+  out_smem2: Any
+
+
+def _scratch(p: ForwardParams, refs) -> _Scratch:
+  fixed, rest = list(refs[:10]), list(refs[10:])
+  ones = [rest.pop(0), rest.pop(0)] if p.rounded_sum else [None, None]
+  out = rest.pop(0) if p.separate_out else fixed[0]
+  return _Scratch(*fixed, *ones, out)
+
+
+class _Item(NamedTuple):
+  """One work item, the 2 * block_q query rows of q tile ``tile`` of (batch
+  ``bi``, query head ``h``): its key-tile range [lo, hi), the hull of both
+  compute warpgroups' ranges, and the calling warpgroup's own segment span."""
+  bi: Any
+  h: Any
+  tile: Any
+  kv_head: Any
+  lo: Any
+  hi: Any
+  own_span: Any
+  own_uniform: Any
+
+
+def _item(p: ForwardParams, spans_ref, bi, h, tile, wg) -> _Item:
   hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
-  cta_lo, cta_hi = program_tiles(kv_tiles(
+  lo, hi = program_tiles(kv_tiles(
       p.spec_padded, tile * p.rows, p.rows, p.block_kv, p.padded, hull))
-  ring = _Ring(cta_lo, cta_hi, k_smem, v_smem, k_loaded, v_loaded, k_free, v_free, schedule)
+  return _Item(bi, h, tile, lax.div(h, jnp.int32(p.spec.group_size)), lo, hi, own_span,
+               own_uniform)
+
+
+def _work(p: ForwardParams, spans_ref, wg):
+  """(count, item_of): the number of work items of this program and its i-th
+  item. Persistent programs take items program, program + programs, ... in
+  the order q tiles, heads, batch (the programs at work at once share a head's
+  keys and values in L2); otherwise the program's one item is its grid
+  position."""
+  if not p.programs:
+    item = _item(p, spans_ref, lax.axis_index("batch"), lax.axis_index("heads"),
+                 lax.axis_index("q_tiles"), wg)
+    return 1, lambda i: item
+  program = lax.axis_index("programs")
+  count = lax.div(jnp.int32(p.items + p.programs - 1) - program, jnp.int32(p.programs))
+
+  def item_of(i):
+    w = program + i * p.programs
+    rest = lax.div(w, jnp.int32(p.q_tiles))
+    return _item(p, spans_ref, lax.div(rest, jnp.int32(p.spec.num_q_heads)),
+                 lax.rem(rest, jnp.int32(p.spec.num_q_heads)),
+                 lax.rem(w, jnp.int32(p.q_tiles)), wg)
+
+  return count, item_of
+
+
+def _over_items(count, item_of, body):
+  """body(i, item, base) for each of ``count`` items, ``base`` the ring steps
+  of the items before; returns the ring steps of all of them."""
+  def step(i, base):
+    item = item_of(i)
+    body(i, item, base)
+    return base + item.hi - item.lo
+
+  if isinstance(count, int):  # one program per item
+    return step(0, jnp.int32(0))
+  return lax.fori_loop(0, count, step, jnp.int32(0))
+
+
+def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, temp_ref,
+                   ones_ref, out_ref, lse_ref, *scratch_refs):
+  """One program: warpgroups 0 and 1 compute (_forward_compute), 2 streams the
+  key and value tiles of the hull of their ranges (mosaic_common.ring_steps),
+  for each of the program's work items (_work). ``ones_ref`` and the ones'
+  scratch only with ``p.rounded_sum``."""
+  plgpu = mosaic_common.plgpu()
+  sc = _scratch(p, scratch_refs)
+  wg = lax.axis_index("wg")
+  count, item_of = _work(p, spans_ref, wg)
+
+  def ring(item, base):
+    return _Ring(item.lo, item.hi, item.lo - base, sc.k_smem, sc.v_smem, sc.k_loaded,
+                 sc.v_loaded, sc.k_free, sc.v_free, sc.schedule)
 
   @pl.when(wg < 2)
   def _compute():
+    plgpu.set_max_registers(232, action="increase")
     ones_smem = None
     if p.rounded_sum:
-      ones_smem2, ones_loaded = rounded
-      ones_smem = ones_smem2.at[wg]
-      plgpu.copy_gmem_to_smem(ones_ref, ones_smem, ones_loaded.at[wg])
-      plgpu.barrier_wait(ones_loaded.at[wg])
-    _forward_compute(p, ring, q_ref, seg_ref, temp_ref, out_ref, lse_ref,
-                     q_smem2.at[wg], lse_smem2.at[wg], q_loaded.at[wg], ones_smem,
-                     bi, h, tile, wg, own_span, own_uniform)
+      ones_smem = sc.ones_smem2.at[wg]
+      plgpu.copy_gmem_to_smem(ones_ref, ones_smem, sc.ones_loaded.at[wg])
+      plgpu.barrier_wait(sc.ones_loaded.at[wg])
+    q_smem, q_loaded = sc.q_smem2.at[wg], sc.q_loaded.at[wg]
+
+    def load_q(item):
+      q_start = item.tile * p.rows + wg * p.block_q
+      plgpu.copy_gmem_to_smem(q_ref.at[item.bi, pl.ds(q_start, p.block_q), item.h], q_smem,
+                              q_loaded)
+
+    if p.programs:
+      pl.when(count > 0)(lambda: load_q(item_of(0)))
+    else:
+      load_q(item_of(0))
+
+    def compute(i, item, base):
+      def load_next_q():
+        if p.programs:
+          pl.when(i + 1 < count)(lambda: load_q(item_of(i + 1)))
+      _forward_compute(p, ring(item, base), seg_ref, temp_ref, out_ref, lse_ref, q_smem,
+                       sc.out_smem2.at[wg], sc.lse_smem2.at[wg], q_loaded, ones_smem, item,
+                       wg, load_next_q)
+
+    _over_items(count, item_of, compute)
+    plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
   def _memory():
-    def locate(kb):
-      return (bi, pl.ds(kb * p.block_kv, p.block_kv), kv_head)
+    plgpu.set_max_registers(40, action="decrease")
+    groups = [
+        (sc.k_free, [RingCopy(lambda rows_of: k_ref.at[rows_of], sc.k_smem, sc.k_loaded)]),
+        (sc.v_free, [RingCopy(lambda rows_of: v_ref.at[rows_of], sc.v_smem, sc.v_loaded)]),
+    ]
 
-    mosaic_common.producer_ring(cta_lo, cta_hi, p.stages, locate, [
-        (k_free, [RingCopy(lambda rows_of: k_ref.at[rows_of], k_smem, k_loaded)]),
-        (v_free, [RingCopy(lambda rows_of: v_ref.at[rows_of], v_smem, v_loaded)]),
-    ])
+    def stream(i, item, base):
+      del i
+      def locate(kb):
+        return (item.bi, pl.ds(kb * p.block_kv, p.block_kv), item.kv_head)
+      mosaic_common.ring_steps(item.lo, item.hi, item.lo - base, p.stages, locate, groups)
+
+    mosaic_common.ring_observe(_over_items(count, item_of, stream), p.stages, groups)
 
 
 class _Ring(NamedTuple):
-  """The program's key-tile range [lo, hi) and its ring of K and V slots."""
+  """An item's key-tile range [lo, hi) and the ring of K and V slots, whose
+  step 0 is ``origin`` (the program's earlier items streamed lo - origin
+  steps)."""
   lo: Any
   hi: Any
+  origin: Any
   k_smem: Any
   v_smem: Any
   k_loaded: Any
@@ -171,17 +293,18 @@ class _Ring(NamedTuple):
   schedule: Any
 
 
-def _forward_compute(p: ForwardParams, ring: _Ring, q_ref, seg_ref, temp_ref, out_ref,
-                     lse_ref, q_smem, lse_smem, q_loaded, ones_smem, bi, h, tile, wg,
-                     own_span, own_uniform):
-  """Compute warpgroup ``wg``: the online softmax of its block_q rows over its
-  own key tiles, draining the program's tiles outside them."""
+def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, out_ref, lse_ref,
+                     q_smem, out_smem, lse_smem, q_loaded, ones_smem, item: _Item, wg,
+                     load_next_q):
+  """Compute warpgroup ``wg`` on one item: the online softmax of its block_q
+  rows (their Q copy issued before) over its own key tiles, draining the
+  item's tiles outside them, then O and lse out. ``load_next_q`` issues the
+  next item's Q copy as soon as Q's buffer is free."""
   plgpu = mosaic_common.plgpu()
-  plgpu.set_max_registers(232, action="increase")
   block_q, block_kv = p.block_q, p.block_kv
-  q_start = tile * p.rows + wg * block_q
+  bi, h = item.bi, item.h
+  q_start = item.tile * p.rows + wg * block_q
   row_layout = plgpu.Layout.WGMMA.reduce(1)
-  plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_start, block_q), h], q_smem, q_loaded)
   q_temp = (load_vector(temp_ref.at[bi, h, pl.ds(q_start, block_q)], row_layout)
             if p.has_temp else None)
   plgpu.barrier_wait(q_loaded)
@@ -190,7 +313,7 @@ def _forward_compute(p: ForwardParams, ring: _Ring, q_ref, seg_ref, temp_ref, ou
     _schedule_sync(ring.schedule)
 
   def drain(kb, carry):
-    s = ring_slot(kb, ring.lo, p.stages)
+    s = ring_slot(kb, ring.origin, p.stages)
     plgpu.barrier_wait(ring.k_loaded.at[s])
     plgpu.barrier_arrive(ring.k_free.at[s])
     schedule_sync()
@@ -212,7 +335,7 @@ def _forward_compute(p: ForwardParams, ring: _Ring, q_ref, seg_ref, temp_ref, ou
                         plgpu.Layout.WGMMA) if p.rounded_sum else None)
   tiles = own_tiles(kv_tiles(
       p.spec_padded, q_start, block_q, block_kv, p.padded,
-      own_span, own_uniform), ring.lo, ring.hi)
+      item.own_span, item.own_uniform), ring.lo, ring.hi)
   pl.when(wg == 1)(schedule_sync)
   state = lax.fori_loop(ring.lo, tiles.lo, drain, state)
   state = tile_loop(tiles, visit, state)
@@ -220,12 +343,19 @@ def _forward_compute(p: ForwardParams, ring: _Ring, q_ref, seg_ref, temp_ref, ou
   pl.when(wg == 0)(schedule_sync)
 
   out, lse2 = state.finalize()
-  q_smem[...] = out.astype(p.dtype)  # Q's buffer holds O on its way out
+  if p.programs:
+    if p.separate_out:
+      load_next_q()  # every product reading Q's buffer has completed
+    # The previous item's stores have read O's and lse's buffers.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  out_smem[...] = out.astype(p.dtype)
   lse_smem[...] = lse2
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(q_smem, out_ref.at[bi, pl.ds(q_start, block_q), h])
+  plgpu.copy_smem_to_gmem(out_smem, out_ref.at[bi, pl.ds(q_start, block_q), h])
   plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, h, pl.ds(q_start, block_q)])
-  plgpu.wait_smem_to_gmem(0)
+  if p.programs and not p.separate_out:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # O has left Q's buffer
+    load_next_q()
 
 
 def _schedule_sync(schedule):
@@ -244,7 +374,7 @@ def _forward_step(p: ForwardParams, ring: _Ring, q_smem, ones_smem, seg_ref, bi,
   whose cost docs/DEFECTS.md, B33, measured); the schedule barrier between the
   two matmuls hands the tensor cores to the other compute warpgroup."""
   plgpu = mosaic_common.plgpu()
-  s = ring_slot(kb, ring.lo, p.stages)
+  s = ring_slot(kb, ring.origin, p.stages)
   plgpu.barrier_wait(ring.k_loaded.at[s])
 
   def qk(acc_ref):
@@ -292,7 +422,12 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       dtype=dtype, block_q=tiles.block_q, block_kv=tiles.block_kv, head_dim=head_dim,
       stages=min(tiles.stages, seq_pad // tiles.block_kv), padded=seq_pad != t,
       has_temp=has_temp, shift=fixed_shift(spec, dtype, has_temp), fast_cap=fast_cap,
-      rounded_sum=sums_rounded(spec, dtype))
+      rounded_sum=sums_rounded(spec, dtype), q_tiles=seq_pad // rows)
+  if tiles.persistent:
+    p = dataclasses.replace(p, programs=min(mosaic_common.multiprocessors(), p.items))
+    with_out = dataclasses.replace(p, separate_out=True)
+    if mosaic_common.scratch_bytes(forward_scratch(with_out)) <= mosaic_common.MAX_SHARED_MEMORY:
+      p = with_out
 
   q, k, v = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
   spans = tile_ranges(seg, seq_pad, p.block_q) if has_seg else None
@@ -305,8 +440,8 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((b, hq, seq_pad), jnp.float32)),
       scratch_types=forward_scratch(p),
-      grid=(hq, seq_pad // rows, b),
-      grid_names=("heads", "q_tiles", "batch"),
+      **(dict(grid=(p.programs,), grid_names=("programs",)) if p.programs else
+         dict(grid=(hq, p.q_tiles, b), grid_names=("heads", "q_tiles", "batch"))),
       kernel_name="ua_forward_mosaic",
   )
   with fast_math.native("mosaic"):
