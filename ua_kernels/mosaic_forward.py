@@ -4,14 +4,23 @@ and warpgroup specialisation, which Pallas-Triton does not emit.
 ``forward`` pads the inputs and calls ``forward_kernel`` with a ForwardParams
 (the kernel's static parameters) and the scratch of ``forward_scratch``.
 
-Structure of JAX's ``attention_mgpu.py`` forward: a program owns 2 * block_q
-query rows of one (batch, query head); three warpgroups share it. Two compute
-warpgroups own block_q rows each (``_forward_compute``, one key tile of it
-``_forward_step``); the third only issues TMA copies of key and value tiles
-into a ring of ``stages`` shared-memory slots (mosaic_common.producer_ring),
+Structure of JAX's ``attention_mgpu.py`` forward: a work item is 2 * block_q
+query rows of one (batch, query head); three warpgroups share a program. Two
+compute warpgroups own block_q rows each (``_forward_compute``, one key tile of
+it ``_forward_step``); the third only issues TMA copies of key and value tiles
+into a ring of ``stages`` shared-memory slots (mosaic_common.ring_steps),
 guarded by a "loaded" barrier per slot (TMA arrives) and a "free" one (both
 compute warpgroups arrive). A schedule barrier alternates the compute
 warpgroups, so one's softmax overlaps the other's matmuls.
+
+A program owns one work item (the grid is heads x q tiles x batch) or, with
+MosaicTiles.persistent, is one of a multiprocessor count of programs that take
+items in turn (``_work``), as tokamax's sm90 forward does where items are of
+equal work: the ring's slots run on across items, so the next item's first
+K/V tiles load while this one ends, and its Q copy is issued as soon as this
+item's last product has read Q's buffer, before O is written out (through O's
+own buffer where the shared memory holds one, else through Q's, after which Q
+is copied). What it gained: docs/BENCHMARKS.md.
 
 Every masking and capping rule comes from tile_math, as in the Triton kernels:
 the logits are tile_math.scores_to_logits of the wgmma's scores, the mask is
