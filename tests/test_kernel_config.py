@@ -15,8 +15,8 @@ import pytest
 
 import ua_kernels
 from ua_kernels import KernelConfig, MosaicTiles, backends, mosaic_backward
-from ua_kernels.tuned_configs import (default_config, effective_config, mosaic_tiles,
-                                      triton_config)
+from ua_kernels.tuned_configs import (PERSISTENT_MAX_SEQ_LEN, default_config, effective_config,
+                                      mosaic_tiles, triton_config)
 from ua_reference.contract import validate
 
 attention_module = sys.modules["ua_kernels.attention"]
@@ -152,6 +152,20 @@ def test_unset_fields_are_none_and_validated_when_set():
     KernelConfig(num_stages_bwd=0)
   with pytest.raises(ValueError, match="MosaicTiles.stages"):
     MosaicTiles(stages=True)
+
+
+def test_the_forward_is_persistent_for_items_of_equal_work_up_to_the_measured_length():
+  """Persistent programs deal items round-robin, which idles multiprocessors
+  where items differ in work (causal, window, packed documents); past the
+  longest measured sequence per-item grids were as fast (docs/BENCHMARKS.md)."""
+  bf16 = jnp.bfloat16
+  longest = PERSISTENT_MAX_SEQ_LEN
+  assert mosaic_tiles(_spec(128, bf16, {}, t=longest), bf16).persistent is True
+  assert mosaic_tiles(_spec(256, bf16, {}, t=1024), bf16).persistent is True
+  assert mosaic_tiles(_spec(128, bf16, {}, t=longest + 1), bf16).persistent is False
+  ids = jnp.zeros((1, 1024), jnp.int32)
+  for options in (dict(causal=True), dict(window_len=64), dict(segment_ids=ids)):
+    assert mosaic_tiles(_spec(128, bf16, options, t=1024), bf16).persistent is False, options
 
 
 def test_kernels_refuse_unfilled_tiles():

@@ -53,18 +53,26 @@ def triton_config(spec: StaticSpec, dtype) -> KernelConfig:
   return KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3, **_BWD_64)
 
 
+# The longest sequence whose full forward the table runs persistent (mosaic_tiles).
+PERSISTENT_MAX_SEQ_LEN = 4096
+
+
 def mosaic_tiles(spec: StaticSpec, dtype) -> MosaicTiles:
   """Every MosaicTiles field of the table: forward key tiles of 128 up to head
   dim 128, else 64 (two stages of K and V at head dim 256 fit the shared memory
   only so); 128-key dq tiles beat 64 by up to 1% at head dim 128. The forward
   is persistent where every work item has the same key tiles (no causal mask,
-  window or segment ids): items of unequal work, dealt round-robin, would
-  leave multiprocessors idle at the end."""
+  window or segment ids; items of unequal work, dealt round-robin, would
+  leave multiprocessors idle at the end) and up to PERSISTENT_MAX_SEQ_LEN
+  keys: what it saves is one prologue and epilogue per item, 2-9% of the
+  forward at 1k-4k keys, while at 16k keys it measured 1% faster to 3% slower
+  (docs/BENCHMARKS.md, "The persistent forward")."""
   del dtype  # measured in bfloat16; float16 has the same bytes
   even_work = not (spec.causal or spec.window_len or spec.has_segment_ids)
   return MosaicTiles(block_q=64, block_kv=128 if spec.head_dim <= 128 else 64, stages=2,
                      block_q_dq=64, block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
-                     stages_bwd=2, persistent=even_work)
+                     stages_bwd=2,
+                     persistent=even_work and spec.seq_len <= PERSISTENT_MAX_SEQ_LEN)
 
 
 def default_config(spec: StaticSpec, dtype) -> KernelConfig:
