@@ -156,8 +156,8 @@ def test_unset_fields_are_none_and_validated_when_set():
 
 def test_the_forward_is_persistent_for_items_of_equal_work_up_to_the_measured_length():
   """Persistent programs deal items round-robin, which idles multiprocessors
-  where items differ in work (causal, window, packed documents); past the
-  longest measured sequence per-item grids were as fast (docs/BENCHMARKS.md)."""
+  where items differ in work (causal, window, packed documents); at 16k keys
+  per-item grids were as fast (docs/BENCHMARKS.md)."""
   bf16 = jnp.bfloat16
   longest = PERSISTENT_MAX_SEQ_LEN
   assert mosaic_tiles(_spec(128, bf16, {}, t=longest), bf16).persistent is True

@@ -354,7 +354,9 @@ def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, out_ref, 
   out, lse2 = state.finalize()
   if p.programs:
     if p.separate_out:
-      load_next_q()  # every product reading Q's buffer has completed
+      # Every product reading Q's buffer has completed: the last QK^T's scores
+      # were read out of its accumulator, which waits for the wgmma.
+      load_next_q()
     # The previous item's stores have read O's and lse's buffers.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   out_smem[...] = out.astype(p.dtype)

@@ -53,7 +53,8 @@ def triton_config(spec: StaticSpec, dtype) -> KernelConfig:
   return KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3, **_BWD_64)
 
 
-# The longest sequence whose full forward the table runs persistent (mosaic_tiles).
+# The longest sequence whose full forward the table runs persistent (mosaic_tiles):
+# it gained at 1k and 4k and not at 16k (docs/BENCHMARKS.md); between them is unmeasured.
 PERSISTENT_MAX_SEQ_LEN = 4096
 
 
@@ -64,9 +65,8 @@ def mosaic_tiles(spec: StaticSpec, dtype) -> MosaicTiles:
   is persistent where every work item has the same key tiles (no causal mask,
   window or segment ids; items of unequal work, dealt round-robin, would
   leave multiprocessors idle at the end) and up to PERSISTENT_MAX_SEQ_LEN
-  keys: what it saves is one prologue and epilogue per item, 2-9% of the
-  forward at 1k-4k keys, while at 16k keys it measured 1% faster to 3% slower
-  (docs/BENCHMARKS.md, "The persistent forward")."""
+  keys: what it saves is one prologue and epilogue per item, which matters
+  where items are short (docs/BENCHMARKS.md, "The persistent forward")."""
   del dtype  # measured in bfloat16; float16 has the same bytes
   even_work = not (spec.causal or spec.window_len or spec.has_segment_ids)
   return MosaicTiles(block_q=64, block_kv=128 if spec.head_dim <= 128 else 64, stages=2,
