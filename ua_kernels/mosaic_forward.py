@@ -259,9 +259,8 @@ def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, te
       load_q(item_of(0))
 
     def compute(i, item, base):
-      def load_next_q():
-        if p.programs:
-          pl.when(i + 1 < count)(lambda: load_q(item_of(i + 1)))
+      def load_next_q():  # called by persistent programs only
+        pl.when(i + 1 < count)(lambda: load_q(item_of(i + 1)))
       _forward_compute(p, ring(item, base), seg_ref, temp_ref, out_ref, lse_ref, q_smem,
                        sc.out_smem2.at[wg], sc.lse_smem2.at[wg], q_loaded, ones_smem, item,
                        wg, load_next_q)
