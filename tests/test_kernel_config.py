@@ -90,7 +90,7 @@ def test_a_full_config_is_kept_as_it_is():
   spec = _spec(128, jnp.bfloat16, {})
   full = KernelConfig(32, 16, 16, 32, 32, 16, num_warps=2, num_stages=1, num_warps_bwd=4,
                       num_stages_bwd=2, backend="triton",
-                      mosaic=MosaicTiles(128, 64, 3, 128, 64, 128, 64, 3, False))
+                      mosaic=MosaicTiles(128, 64, 3, 128, 64, 128, 64, 3, False, True))
   assert not full.unset()
   assert effective_config(spec, jnp.bfloat16, full) is full
 
@@ -141,9 +141,11 @@ def test_unset_fields_are_none_and_validated_when_set():
       f"mosaic.{f.name}" for f in dataclasses.fields(MosaicTiles))
   assert MosaicTiles(block_q=128).unset() == ("block_kv", "stages", "block_q_dq", "block_kv_dq",
                                               "block_q_dkv", "block_kv_dkv", "stages_bwd",
-                                              "persistent")
+                                              "persistent", "overlap_softmax")
   with pytest.raises(ValueError, match="MosaicTiles.persistent"):
     MosaicTiles(persistent=1)
+  with pytest.raises(ValueError, match="MosaicTiles.overlap_softmax"):
+    MosaicTiles(overlap_softmax="yes")
   with pytest.raises(ValueError, match="KernelConfig.block_q_dq"):
     KernelConfig(block_q_dq=48)
   with pytest.raises(TypeError, match="KernelConfig.block_kv"):
@@ -166,6 +168,18 @@ def test_the_forward_is_persistent_for_items_of_equal_work_up_to_the_measured_le
   ids = jnp.zeros((1, 1024), jnp.int32)
   for options in (dict(causal=True), dict(window_len=64), dict(segment_ids=ids)):
     assert mosaic_tiles(_spec(128, bf16, options, t=1024), bf16).persistent is False, options
+
+
+def test_the_forward_overlaps_its_softmax_above_head_dim_64():
+  """The overlapped forward won 3-15% at head dims 128 and 256 and lost 1-5%
+  at 64 on an H200, persistent or not (docs/BENCHMARKS.md, "The overlapped
+  forward")."""
+  bf16 = jnp.bfloat16
+  for d, overlapped in ((64, False), (80, True), (128, True), (256, True)):
+    for options in (dict(), dict(causal=True)):
+      for t in (1024, 16384):
+        tiles = mosaic_tiles(_spec(d, bf16, options, t=t), bf16)
+        assert tiles.overlap_softmax is overlapped, (d, options, t)
 
 
 def test_kernels_refuse_unfilled_tiles():

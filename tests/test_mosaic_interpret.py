@@ -4,10 +4,11 @@ The interpreter executes the kernels' warpgroups as threads, with their
 barriers, TMA copies and wgmma, so it checks numerics and synchronisation
 without a GPU: each shape class of tests/test_mosaic.py runs the Mosaic
 forward and backward here against the Triton kernels in Pallas' interpreter.
-It lacks two things the kernels use, which the ``interpreter_gaps`` fixture
+It lacks three things the kernels use, which the ``interpreter_gaps`` fixture
 supplies for these tests only, computing the same products in registers:
-``pl.run_state`` over an initialised wgmma accumulator, and a wgmma operand in
-registers (p and ds). CI's jax 0.10 has no such interpreter and skips them.
+``pl.run_state`` over an initialised wgmma accumulator, a wgmma operand in
+registers (p and ds), and a store into an accumulator (the overlapped
+forward's). CI's jax 0.10 has no such interpreter and skips them.
 """
 
 import sys
@@ -30,7 +31,7 @@ from jax._src.state import types as state_types  # noqa: E402
 from test_mosaic import SHAPE_CLASSES, _gpu_inputs  # noqa: E402
 from ua_kernels import (KernelConfig, MosaicTiles, mosaic_backward, mosaic_common,  # noqa: E402
                         mosaic_forward)
-from ua_kernels.tuned_configs import effective_config  # noqa: E402
+from ua_kernels.tuned_configs import effective_config, mosaic_tiles  # noqa: E402
 
 attention_module = sys.modules["ua_kernels.attention"]
 
@@ -43,6 +44,9 @@ class _RegisterAccumulator:
 
   def __getitem__(self, index):
     return self.value
+
+  def __setitem__(self, index, value):
+    self.value = value
 
 
 def _is_ref(x):
@@ -69,8 +73,22 @@ def interpreter_gaps(monkeypatch):
     a = a[...] if _is_ref(a) else a
     acc.value = acc.value + jnp.dot(a.astype(jnp.float32), b[...].astype(jnp.float32))
 
+  real_run_scoped, real_load = pl.run_scoped, plgpu.wgmma_accumulator_load
+
+  def run_scoped(body, *types, **kwargs):
+    # Several accumulators in one scope: the overlapped forward's step, which
+    # stores into them and issues a product from registers into one.
+    if len(types) > 1 and all(isinstance(t, plgpu.WGMMAAccumulatorRef) for t in types):
+      return body(*(_RegisterAccumulator(jnp.zeros(t.shape, t.dtype)) for t in types))
+    return real_run_scoped(body, *types, **kwargs)
+
+  def accumulator_load(acc, *, wait_n=0):
+    return acc.value if isinstance(acc, _RegisterAccumulator) else real_load(acc, wait_n=wait_n)
+
   monkeypatch.setattr(pl, "run_state", run_state)
+  monkeypatch.setattr(pl, "run_scoped", run_scoped)
   monkeypatch.setattr(plgpu, "wgmma", wgmma)
+  monkeypatch.setattr(plgpu, "wgmma_accumulator_load", accumulator_load)
 
 
 def _close(name, got, want, dtype, eps=None):
@@ -155,6 +173,26 @@ def test_a_persistent_forward_of_several_items_per_program_matches_triton(
       2 * filled.block_q)
   assert items > 4 and items % 4, "every program takes several items, not all as many"
   _compare(shape_class, tiles, backward=False)
+
+
+# The forward the table does not pick (MosaicTiles.overlap_softmax above
+# head dim 64) on every shape class, so both forwards see each mask kind as a
+# warpgroup's first tile (the overlapped one's switch), warpgroups with no
+# tile (padding rows, empty spans), drained tiles, the rounded sum's third
+# product (a cap in 16 bits), one tile (T=1), and persistent programs.
+@pytest.mark.parametrize("shape_class", SHAPE_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_the_other_forward_matches_triton_in_the_interpreters(shape_class, interpreter_gaps):
+  (q, k, v), inputs, options = _gpu_inputs(shape_class)
+  overlapped = mosaic_tiles(validate(q, k, v, **options, **inputs)[0], q.dtype).overlap_softmax
+  _compare(shape_class, MosaicTiles(overlap_softmax=not overlapped), backward=False)
+
+
+@pytest.mark.parametrize("shape_class", PERSISTENT_CLASSES[:2],
+                         ids=lambda c: f"T{c[1]}-D{c[4]}-{'-'.join(sorted(c[6])) or 'plain'}")
+def test_a_persistent_overlapped_forward_matches_triton(shape_class, interpreter_gaps,
+                                                        monkeypatch):
+  monkeypatch.setattr(mosaic_common, "multiprocessors", lambda: 4)
+  _compare(shape_class, MosaicTiles(persistent=True, overlap_softmax=True), backward=False)
 
 
 def _compare(shape_class, tiles, backward=True):

@@ -42,7 +42,12 @@ class MosaicTiles:
   ``persistent``: the forward runs one program per multiprocessor, each
   taking work items in turn, so that its K/V ring streams on from one item
   into the next and the next item's Q arrives during this one's epilogue.
-  Above head
+  ``overlap_softmax``: each compute warpgroup issues a key tile's Q K^T with
+  the previous tile's P @ V and computes the softmax while that product runs
+  (FlashAttention-3's intra-warpgroup overlap), in place of the schedule
+  barrier that alternates the two compute warpgroups (with it as well, the
+  forward ran 17-26% slower on an H200: docs/BENCHMARKS.md); the same bits
+  as without. Above head
   dim 128 the dq kernel streams at most 64 keys, and backward tiles whose
   shared memory does not fit run the backward on Triton
   (mosaic_backward.halves_shared_memory)."""
@@ -56,11 +61,13 @@ class MosaicTiles:
   block_kv_dkv: int | None = None
   stages_bwd: int | None = None
   persistent: bool | None = None
+  overlap_softmax: bool | None = None
 
   def __post_init__(self):
-    if self.persistent is not None and not isinstance(self.persistent, bool):
-      raise ValueError(f"MosaicTiles.persistent must be a bool or None (tuned), "
-                       f"got {self.persistent!r}")
+    for name in ("persistent", "overlap_softmax"):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, bool):
+        raise ValueError(f"MosaicTiles.{name} must be a bool or None (tuned), got {value!r}")
     for name, allowed in (("block_q", (64, 128)), ("block_kv", (64, 128, 256)),
                           ("block_q_dq", (64, 128)), ("block_kv_dq", (64, 128)),
                           ("block_q_dkv", (64, 128)), ("block_kv_dkv", (64, 128))):

@@ -11,7 +11,9 @@ it ``_forward_step``); the third only issues TMA copies of key and value tiles
 into a ring of ``stages`` shared-memory slots (mosaic_common.ring_steps),
 guarded by a "loaded" barrier per slot (TMA arrives) and a "free" one (both
 compute warpgroups arrive). A schedule barrier alternates the compute
-warpgroups, so one's softmax overlaps the other's matmuls.
+warpgroups, so one's softmax overlaps the other's matmuls; with
+MosaicTiles.overlap_softmax each warpgroup instead overlaps a tile's softmax
+with its own previous tile's P @ V (``_overlapped_tiles``), unscheduled.
 
 A program owns one work item (the grid is heads x q tiles x batch) or, with
 MosaicTiles.persistent, is one of a multiprocessor count of programs that take
@@ -100,6 +102,7 @@ class ForwardParams:
   q_tiles: int = 1      # work items per (batch, head): padded length / rows
   programs: int = 0     # persistent programs (0: not persistent)
   separate_out: bool = False  # O leaves through its own buffer, not Q's
+  overlap_softmax: bool = False  # MosaicTiles.overlap_softmax (_overlapped_tiles)
 
   @property
   def rows(self) -> int:
@@ -318,9 +321,11 @@ def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, out_ref, 
   plgpu.barrier_wait(q_loaded)
 
   def schedule_sync():
-    _schedule_sync(ring.schedule)
+    if not p.overlap_softmax:  # the overlapped forward takes no schedule barrier
+      _schedule_sync(ring.schedule)
 
   def drain(kb, carry):
+    # As many schedule syncs per tile as a visited tile has.
     s = ring_slot(kb, ring.origin, p.stages)
     plgpu.barrier_wait(ring.k_loaded.at[s])
     plgpu.barrier_arrive(ring.k_free.at[s])
@@ -330,9 +335,10 @@ def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, out_ref, 
     schedule_sync()
     return carry
 
+  row = _Row(q_smem, ones_smem, seg_ref, bi, q_start, q_temp)
+
   def visit(kb, state, masked):
-    return _forward_step(p, ring, q_smem, ones_smem, seg_ref, bi, q_start, q_temp, kb,
-                         state, masked)
+    return _forward_step(p, ring, row, kb, state, masked)
 
   state = SoftmaxState(
       plgpu.layout_cast(jnp.full((block_q,), -jnp.inf if p.shift is None else p.shift,
@@ -346,7 +352,10 @@ def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, out_ref, 
       item.own_span, item.own_uniform), ring.lo, ring.hi)
   pl.when(wg == 1)(schedule_sync)
   state = lax.fori_loop(ring.lo, tiles.lo, drain, state)
-  state = tile_loop(tiles, visit, state)
+  if p.overlap_softmax:
+    state = _overlapped_tiles(p, ring, row, tiles, state)
+  else:
+    state = tile_loop(tiles, visit, state)
   state = lax.fori_loop(tiles.hi, ring.hi, drain, state)
   pl.when(wg == 0)(schedule_sync)
 
@@ -376,8 +385,19 @@ def _schedule_sync(schedule):
   plgpu.barrier_wait(schedule)
 
 
-def _forward_step(p: ForwardParams, ring: _Ring, q_smem, ones_smem, seg_ref, bi, q_start,
-                  q_temp, kb, state, masked):
+class _Row(NamedTuple):
+  """What every key tile of one compute warpgroup's rows reads: its Q tile,
+  the ones tile (None without ``rounded_sum``), the segment ids, the batch,
+  the first row and the rows' temperatures (None without)."""
+  q_smem: Any
+  ones_smem: Any
+  seg_ref: Any
+  bi: Any
+  q_start: Any
+  q_temp: Any
+
+
+def _forward_step(p: ForwardParams, ring: _Ring, row: _Row, kb, state, masked):
   """One key tile: s = Q K^T, the online softmax step, acc += p V (and, with
   ``rounded_sum``, l_used += p @ ones on the tensor cores: the rounded row sum
   at 8 columns against P @ V's head_dim, not a second cross-lane sum per tile,
@@ -385,34 +405,129 @@ def _forward_step(p: ForwardParams, ring: _Ring, q_smem, ones_smem, seg_ref, bi,
   two matmuls hands the tensor cores to the other compute warpgroup."""
   plgpu = mosaic_common.plgpu()
   s = ring_slot(kb, ring.origin, p.stages)
-  plgpu.barrier_wait(ring.k_loaded.at[s])
-
-  def qk(acc_ref):
-    plgpu.wgmma(acc_ref, q_smem, ring.k_smem.at[s].transpose((1, 0)))
-    _schedule_sync(ring.schedule)
-    return acc_ref[...]
-
-  scores = pl.run_scoped(qk, plgpu.ACC((p.block_q, p.block_kv), jnp.float32))
-  plgpu.barrier_arrive(ring.k_free.at[s])
-  logits = tile_logits(p.spec, scores, q_temp, q_start, kb * p.block_kv, masked=masked,
-                       seg_ref=seg_ref, batch=bi, padded=p.padded, fast_cap=p.fast_cap)
-  m, l, correction, probs = state.step(logits, p.shift)
+  m, l, correction, probs = _softmax_of_tile(p, ring, row, kb, state, masked)
   acc = state.rescaled_acc(correction)
   used = state.rescaled_used(correction)
   probs = probs.astype(p.dtype)
   plgpu.barrier_arrive(ring.schedule)
   plgpu.barrier_wait(ring.v_loaded.at[s])
   plgpu.barrier_wait(ring.schedule)
+  return _probs_times_values(p, ring, row, s, SoftmaxState(m, l, acc, used), probs)
+
+
+def _softmax_of_tile(p: ForwardParams, ring: _Ring, row: _Row, kb, state, masked):
+  """Key tile ``kb``'s s = Q K^T (the schedule barrier taken while it runs,
+  but in the overlapped forward) and softmax step (SoftmaxState.step)."""
+  plgpu = mosaic_common.plgpu()
+  s = ring_slot(kb, ring.origin, p.stages)
+  plgpu.barrier_wait(ring.k_loaded.at[s])
+
+  def qk(acc_ref):
+    plgpu.wgmma(acc_ref, row.q_smem, ring.k_smem.at[s].transpose((1, 0)))
+    if not p.overlap_softmax:
+      _schedule_sync(ring.schedule)
+    return acc_ref[...]
+
+  scores = pl.run_scoped(qk, plgpu.ACC((p.block_q, p.block_kv), jnp.float32))
+  plgpu.barrier_arrive(ring.k_free.at[s])
+  return _softmax_step(p, row, kb, state, scores, masked)
+
+
+def _softmax_step(p: ForwardParams, row: _Row, kb, state, scores, masked):
+  logits = tile_logits(p.spec, scores, row.q_temp, row.q_start, kb * p.block_kv,
+                       masked=masked, seg_ref=row.seg_ref, batch=row.bi, padded=p.padded,
+                       fast_cap=p.fast_cap)
+  return state.step(logits, p.shift)
+
+
+def _probs_times_values(p: ForwardParams, ring: _Ring, row: _Row, s, state, probs):
+  """acc += probs @ V of ring slot ``s`` (and l_used += probs @ ones), its V
+  loaded; the slot's V released once the product has run."""
+  plgpu = mosaic_common.plgpu()
 
   def pv(acc_refs):
     plgpu.wgmma(acc_refs[0], probs, ring.v_smem.at[s])
-    if used is not None:
-      plgpu.wgmma(acc_refs[1], probs, ones_smem.transpose((1, 0)))
+    if state.l_used is not None:
+      plgpu.wgmma(acc_refs[1], probs, row.ones_smem.transpose((1, 0)))
 
-  accs = pl.run_state(pv)(tuple(plgpu.ACC.init(x) for x in (acc, used) if x is not None))
-  acc, used = accs if used is not None else (accs[0], None)
+  accs = pl.run_state(pv)(tuple(plgpu.ACC.init(x) for x in (state.acc, state.l_used)
+                                if x is not None))
   plgpu.barrier_arrive(ring.v_free.at[s])
-  return SoftmaxState(m, l, acc, used)
+  return SoftmaxState(state.m, state.l, accs[0], accs[1] if len(accs) > 1 else None)
+
+
+def _overlapped_tiles(p: ForwardParams, ring: _Ring, row: _Row, tiles, state):
+  """tile_loop's work with FlashAttention-3's intra-warpgroup overlap: the
+  first tile's Q K^T and softmax alone, then for each further tile its Q K^T
+  issued together with the previous tile's P @ V, whose product runs on while
+  this tile's softmax is computed (_overlapped_step), then the last tile's
+  P @ V. The same products and roundings in the same order as tile_loop's
+  (each P @ V still adds to the accumulator its tile's correction scaled),
+  so the same bits. The first tile's mask kind is known at run time only: a
+  switch over the kinds, and a branch for a warpgroup without tiles."""
+  plgpu = mosaic_common.plgpu()
+  kind = sum(lax.convert_element_type(bound <= tiles.lo, jnp.int32)
+             for bound in tiles.bounds[1:])
+  no_probs = plgpu.layout_cast(jnp.zeros((p.block_q, p.block_kv), p.dtype),
+                               plgpu.Layout.WGMMA)
+
+  def first_tile(masked):
+    def branch(state):
+      m, l, correction, probs = _softmax_of_tile(p, ring, row, tiles.lo, state, masked)
+      return SoftmaxState(m, l, state.rescaled_acc(correction),
+                          state.rescaled_used(correction)), probs.astype(p.dtype)
+    return branch
+
+  state, probs = lax.switch(kind, [*map(first_tile, tiles.masks), lambda st: (st, no_probs)],
+                            state)
+
+  def visit(kb, carry, masked):
+    return _overlapped_step(p, ring, row, kb, carry, masked)
+
+  state, probs = tile_loop(own_tiles(tiles, tiles.lo + 1, tiles.hi), visit, (state, probs))
+
+  def last_product():
+    s = ring_slot(tiles.hi - 1, ring.origin, p.stages)
+    plgpu.barrier_wait(ring.v_loaded.at[s])
+    return _probs_times_values(p, ring, row, s, state, probs)
+
+  return lax.cond(tiles.lo < tiles.hi, last_product, lambda: state)
+
+
+def _overlapped_step(p: ForwardParams, ring: _Ring, row: _Row, kb, carry, masked):
+  """Key tile ``kb`` given the previous tile's probabilities: issue its Q K^T,
+  then the previous tile's P @ V (and P @ ones), wait for the scores only
+  (wgmma groups complete in order) and compute the softmax step while the
+  P @ V runs, then wait for it and rescale."""
+  plgpu = mosaic_common.plgpu()
+  state, probs_prev = carry
+  s = ring_slot(kb, ring.origin, p.stages)
+  s_prev = ring_slot(kb - 1, ring.origin, p.stages)
+  plgpu.barrier_wait(ring.k_loaded.at[s])
+  plgpu.barrier_wait(ring.v_loaded.at[s_prev])
+  with_used = state.l_used is not None
+
+  def products(scores_ref, acc_ref, used_ref=None):
+    acc_ref[...] = state.acc
+    if with_used:
+      used_ref[...] = state.l_used
+    plgpu.wgmma(scores_ref, row.q_smem, ring.k_smem.at[s].transpose((1, 0)))
+    plgpu.wgmma(acc_ref, probs_prev, ring.v_smem.at[s_prev])
+    if with_used:
+      plgpu.wgmma(used_ref, probs_prev, row.ones_smem.transpose((1, 0)))
+    scores = plgpu.wgmma_accumulator_load(scores_ref, wait_n=2 if with_used else 1)
+    plgpu.barrier_arrive(ring.k_free.at[s])
+    m, l, correction, probs = _softmax_step(p, row, kb, state, scores, masked)
+    done = SoftmaxState(m, l, acc_ref[...], used_ref[...] if with_used else None)
+    plgpu.barrier_arrive(ring.v_free.at[s_prev])
+    return SoftmaxState(m, l, done.rescaled_acc(correction),
+                        done.rescaled_used(correction)), probs.astype(p.dtype)
+
+  accumulators = [plgpu.ACC((p.block_q, p.block_kv), jnp.float32),
+                  plgpu.ACC((p.block_q, p.head_dim), jnp.float32)]
+  if with_used:
+    accumulators.append(plgpu.ACC((p.block_q, USED_SUM_COLUMNS), jnp.float32))
+  return pl.run_scoped(products, *accumulators)
 
 
 def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_cap: bool):
@@ -432,7 +547,8 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       dtype=dtype, block_q=tiles.block_q, block_kv=tiles.block_kv, head_dim=head_dim,
       stages=min(tiles.stages, seq_pad // tiles.block_kv), padded=seq_pad != t,
       has_temp=has_temp, shift=fixed_shift(spec, dtype, has_temp), fast_cap=fast_cap,
-      rounded_sum=sums_rounded(spec, dtype), q_tiles=seq_pad // rows)
+      rounded_sum=sums_rounded(spec, dtype), q_tiles=seq_pad // rows,
+      overlap_softmax=tiles.overlap_softmax)
   if tiles.persistent:
     p = dataclasses.replace(p, programs=min(mosaic_common.multiprocessors(), p.items))
     with_out = dataclasses.replace(p, separate_out=True)
