@@ -171,9 +171,8 @@ def test_the_forward_is_persistent_for_items_of_equal_work_up_to_the_measured_le
 
 
 def test_the_forward_overlaps_its_softmax_above_head_dim_64():
-  """The overlapped forward won 3-15% at head dims 128 and 256 and lost 1-5%
-  at 64 on an H200, persistent or not (docs/BENCHMARKS.md, "The overlapped
-  forward")."""
+  """The overlapped forward gained at head dims 128 and 256 and lost at 64,
+  persistent or not (docs/BENCHMARKS.md, "The overlapped forward")."""
   bf16 = jnp.bfloat16
   for d, overlapped in ((64, False), (80, True), (128, True), (256, True)):
     for options in (dict(), dict(causal=True)):

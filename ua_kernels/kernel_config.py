@@ -45,9 +45,9 @@ class MosaicTiles:
   ``overlap_softmax``: each compute warpgroup issues a key tile's Q K^T with
   the previous tile's P @ V and computes the softmax while that product runs
   (FlashAttention-3's intra-warpgroup overlap), in place of the schedule
-  barrier that alternates the two compute warpgroups (with it as well, the
-  forward ran 17-26% slower on an H200: docs/BENCHMARKS.md); the same bits
-  as without. Above head
+  barrier that alternates the two compute warpgroups (with both it was
+  slower: docs/BENCHMARKS.md, "The overlapped forward"); the same bits as
+  without. Above head
   dim 128 the dq kernel streams at most 64 keys, and backward tiles whose
   shared memory does not fit run the backward on Triton
   (mosaic_backward.halves_shared_memory)."""

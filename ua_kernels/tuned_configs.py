@@ -68,8 +68,8 @@ def mosaic_tiles(spec: StaticSpec, dtype) -> MosaicTiles:
   keys: what it saves is one prologue and epilogue per item, which matters
   where items are short (docs/BENCHMARKS.md, "The persistent forward").
   Above head dim 64 the forward overlaps each tile's softmax with the
-  previous tile's P @ V: 3-15% faster at head dims 128 and 256, 1-5% slower
-  at 64 but at T=1k full (docs/BENCHMARKS.md, "The overlapped forward")."""
+  previous tile's P @ V, which gained at head dims 128 and 256 and lost at 64
+  (docs/BENCHMARKS.md, "The overlapped forward")."""
   del dtype  # measured in bfloat16; float16 has the same bytes
   even_work = not (spec.causal or spec.window_len or spec.has_segment_ids)
   return MosaicTiles(block_q=64, block_kv=128 if spec.head_dim <= 128 else 64, stages=2,
