@@ -363,6 +363,9 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
                       help="q, k, v dtype (every peer gets the same)")
   parser.add_argument("--json", default="bench.json")
+  parser.add_argument("--cases", default=None,
+                      help="comma-separated parts of case names, e.g. 'T16384,D64 causal': run "
+                           "only the set's configurations whose name holds one; default: all")
   parser.add_argument("--impls", default=None,
                       help="comma-separated names of the implementations to time (as the "
                            "result rows name them), e.g. ua_kernels,jax.nn.dpa[cudnn],tokamax; "
@@ -379,9 +382,12 @@ def main(argv=None):
     print(f"ua-bench: no GPU (jax backend {jax.default_backend()}): the kernels run in the "
           "Pallas interpreter, slowly, and the times say nothing of a GPU", file=sys.stderr,
           flush=True)
+  selected = selected_configs(options.set, options.dtype, options.cases)
+  if options.cases is not None and not selected:
+    parser.error(f"--cases {options.cases!r} names none of the set {options.set!r}'s cases")
   header = provenance(argv)
   rows = feature_rows(options) if options.set == "features" else []
-  for b, t, hq, hkv, d, causal, window, cap, doc in CONFIGS.get(options.set, ()):
+  for label, (b, t, hq, hkv, d, causal, window, cap, doc) in selected:
     rng = np.random.default_rng(0)
     dtype = jnp.dtype(options.dtype)
     q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
@@ -412,10 +418,6 @@ def main(argv=None):
       impls.update(peers(causal, window, cap, doc, hq, hkv))
     if wanted is not None:
       impls = {name: fn for name, fn in impls.items() if name in wanted}
-    label = f"B{b} T{t} H{hq}/{hkv} D{d}" + ("" if options.dtype == "bfloat16" else " f16") + \
-        (" causal" if causal else "") + \
-        (f" win{window}" if window else "") + (f" tanh{cap:g}" if cap else "") + \
-        (f" docs{doc}" if doc else "")
     fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, args, options.repeats)
     bwd = time_interleaved({n: _fwd_bwd(f) for n, f in impls.items()}, args, options.repeats)
     stats = jax.devices()[0].memory_stats() or {}
@@ -453,6 +455,23 @@ def main(argv=None):
   print_target_ratios(rows)
   print_feature_ratios(rows)
   _write(options.json, header, rows)
+
+
+def case_label(dtype, b, t, hq, hkv, d, causal, window, cap, doc) -> str:
+  """A configuration's name in result rows, e.g. "B4 T4096 H16/16 D128 causal"."""
+  return (f"B{b} T{t} H{hq}/{hkv} D{d}" + ("" if dtype == "bfloat16" else " f16")
+          + (" causal" if causal else "") + (f" win{window}" if window else "")
+          + (f" tanh{cap:g}" if cap else "") + (f" docs{doc}" if doc else ""))
+
+
+def selected_configs(set_name, dtype, cases=None) -> list:
+  """[(label, configuration)] of a set, those whose label holds one of the
+  comma-separated ``cases`` where given: a run cut short is finished by
+  naming what it did not reach."""
+  parts = None if cases is None else [c.strip() for c in cases.split(",") if c.strip()]
+  out = [(case_label(dtype, *config), config) for config in CONFIGS.get(set_name, ())]
+  return [(label, config) for label, config in out
+          if parts is None or any(part in label for part in parts)]
 
 
 def _write(path, header, rows):

@@ -1,0 +1,31 @@
+"""ua-bench's case selection (--cases): a run cut short is finished by naming
+the cases it did not reach, so the names must select exactly those. Selection
+only; nothing is timed here."""
+
+import pytest
+
+from benchmarks import bench
+
+
+def test_cases_select_the_configurations_whose_name_holds_a_part():
+  every = bench.selected_configs("targets", "bfloat16")
+  assert len(every) == 18
+  long = bench.selected_configs("targets", "bfloat16", "T16384")
+  assert [config[1] for _, config in long] == [16384] * 6
+  picked = bench.selected_configs("targets", "bfloat16", "T16384 H16/16 D64 causal, D256 causal")
+  assert [label for label, _ in picked] == [
+      "B4 T4096 H16/16 D256 causal", "B16 T1024 H16/16 D256 causal",
+      "B1 T16384 H16/16 D64 causal", "B1 T16384 H16/16 D256 causal"]
+
+
+def test_labels_are_the_result_rows_case_names():
+  assert bench.case_label("bfloat16", 4, 4096, 16, 16, 128, True, 0, 0.0, 0) == \
+      "B4 T4096 H16/16 D128 causal"
+  assert bench.case_label("float16", 1, 16384, 16, 4, 64, False, 512, 30.0, 1024) == \
+      "B1 T16384 H16/4 D64 f16 win512 tanh30 docs1024"
+
+
+def test_cases_that_name_nothing_are_refused(capsys):
+  with pytest.raises(SystemExit):
+    bench.main(["--set", "targets", "--cases", "T999"])
+  assert "--cases 'T999' names none" in capsys.readouterr().err
