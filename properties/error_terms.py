@@ -11,26 +11,29 @@ allowance of its terms and every other element gets one of its own size
 For query row i, key j (p the oracle's probabilities, z the logits, t the
 temperature, s the softmax scale, c' the cap's derivative):
 
-- ``sums``: out ``sum_j p |v_j|``; dv ``sum_i p |dO_i|``; dq ``sum_j |ds| |k_j|``
-  and dk ``sum_i |ds| |q_i|`` with ``|ds| = p (|dp_ij - delta_i| + D_i) |s t c'|``:
-  ds as rounded to the input dtype, and the error of the row correction a
-  FlashAttention-style backward forms from its own (rounded) out,
-  ``D_i = sum_j p |dO_i|.|v_j| + |dlse_i| + w |lse_i|``;
+- ``sums``: out ``sum_j p |v_j|``; dv ``sum_i p |dO_i|``; dk ``sum_i |ds| |q_i|``
+  with ``|ds| = p (|dp_ij - delta_i| + D_i) |s t c'|``: ds as rounded to the
+  input dtype, and the error of the row correction a FlashAttention-style
+  backward forms from its own (rounded) out,
+  ``D_i = sum_j p |dO_i|.|v_j| + |dlse_i| + w |lse_i|``; dq the same, except that
+  delta_i's error, one number per row, scales all of the row's ds alike and
+  reaches dq_i as ``D_i |s t| |sum_j p c' k_j|``, signs kept;
 - ``logit``: the same sums with p weighted by the error of ``z - lse`` behind
-  it. For lse: the float32 dots of the logits, ``u32 (1 + |s t| ||q_i|| ||k_j||)``
-  per pair (the Cauchy-Schwarz bound the lse floor was measured to need,
-  docs/TOLERANCES.md), their p-weighted mean and |lse_i|. For the other
-  outputs: ``recompute (|z_ij| + |lse_i|)``, a logit and an lse one
-  rounding away from the forward's (a FlashAttention-style backward recomputes
-  p); their dots' rounding is the same-precision reference's too, and ALPHA
-  times its error covers it. Both with, for 16-bit inputs with a cap, a cap
-  form's own error (``form``, properties/cap_checks.py): ``form`` times
-  the largest cap parameter in the cap's value, ``form`` in its derivative
-  (``|ds|`` with ``|c'|`` replaced by it). dq and dk also with the float32 dot
-  ``dp = dO_i.v_j`` (``u32 (|dO_i|.|v_j| + D_i)``), and with the cap's
-  derivative step: ``|ds|`` with ``|c'|`` replaced by how far c' moves within a
-  logit's rounding (1 for a hard cap's logit on its step; docs/TOLERANCES.md,
-  "A derivative step within a logit's rounding").
+  it, times ds's own factor ``|dp - delta| + D_i`` in dq and dk. For lse: the
+  float32 dots of the logits, ``u32 |s t| ||q_i|| ||k_j||`` per pair (the
+  Cauchy-Schwarz bound the lse floor was measured to need, docs/TOLERANCES.md),
+  p-weighted. For the other outputs: ``recompute (|z_ij| + |lse_i|)``, a logit
+  and an lse one rounding away from the forward's (a FlashAttention-style
+  backward recomputes p); in dq the lse's part, again one factor per row, as
+  ``recompute |lse_i| |dq_i|``. Their dots' rounding is the same-precision
+  reference's too, and ALPHA times its error covers it. Both with, for 16-bit
+  inputs with a cap, a cap form's own error (``form``, properties/cap_checks.py):
+  ``form`` times the largest cap parameter in the cap's value, ``form`` in its
+  derivative (``|ds|`` with ``|c'|`` replaced by it). dq and dk also with the
+  float32 dot ``dp = dO_i.v_j`` (``u32 (|dO_i|.|v_j| + D_i)``), and with the
+  cap's derivative step: ``|ds|`` with ``|c'|`` replaced by how far c' moves
+  within a logit's rounding (1 for a hard cap's logit on its step;
+  docs/TOLERANCES.md, "A derivative step within a logit's rounding").
 """
 
 from __future__ import annotations
@@ -247,16 +250,17 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
   with np.errstate(invalid="ignore", over="ignore"):
     p = xp.where(mask, xp.exp(xp.where(mask, z - lse_r[..., None], -np.inf)), 0.0)
   a = scale * norms
-  a_bar = xp.sum(p * a, axis=-1, keepdims=True)
   # A form's cap value is off by form_eps * the largest parameter, in logit units
   # before the temperature (the softmax scale is inside the cap's argument).
   form = 2.0 * rounding.form * max(spec.cap_params, default=0.0) * xp.abs(temp)
   finite_lse = xp.where(xp.isfinite(lse_r), xp.abs(lse_r), 0.0)[..., None]
   # lse: the logits' float32 dots (Cauchy-Schwarz, as the lse floor was measured
   # to need); the others: a logit recomputed one rounding away, beside lse's.
-  pw_lse = p * (rounding.logit * (1.0 + a + a_bar + finite_lse) + form)
-  # A probability below the dtype's normal range is rounded absolutely.
-  pw = (p * (rounding.recompute * (xp.abs(z) + finite_lse) + form)
+  pw_lse = p * (rounding.logit * a + form)
+  # A probability below the dtype's normal range is rounded absolutely. The
+  # recomputed lse's part of p's error is the same factor across a row (pw_row).
+  pw_row = p * rounding.recompute * finite_lse
+  pw = (p * (rounding.recompute * xp.abs(z) + form) + pw_row
         + (rounding.subnormal + xp.minimum(p, rounding.flush)) * mask)
   av, ak, aq, ado = (xp.abs(x) for x in (v, k, q_r, dout_r))
   dp, dp_abs = _pairs(xp, dout_r, v), _pairs(xp, ado, av)
@@ -267,17 +271,28 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
                + abs(spec.z_loss_weight) * finite_lse)
   delta = (xp.sum(p * dp, axis=-1) - lse_grad)[..., None]
   # ds itself (rounded to the input dtype) and its row correction's error; the
-  # float32 dot dp and the logits' error carried through p (pw) ...
-  ds = p * (xp.abs(dp - delta) + delta_abs) * slope
+  # float32 dot dp, the logits' error carried through p (pw, times ds's own
+  # factor: |dp - delta| and the row correction's error) ...
+  ds_local = p * xp.abs(dp - delta) * slope
+  ds = ds_local + p * delta_abs * slope
+  ds_w_row = pw_row * (xp.abs(dp - delta) + delta_abs) * slope
   # ... a cap form's derivative, off by its own error (absolute, not a rounding),
   # and ds below the dtype's normal range.
-  ds_w = ((pw + rounding.logit * p) * (dp_abs + delta_abs) * slope
+  ds_w = ((pw - pw_row) * (xp.abs(dp - delta) + delta_abs) * slope
+          + rounding.logit * p * (dp_abs + delta_abs) * slope
           + p * (xp.abs(dp - delta) + delta_abs) * scale * (rounding.form + step)
           + (rounding.subnormal + rounding.flush) * mask)
+  # In dq_i a row's own errors (its correction delta_i, its lse) scale every ds_ij
+  # alike: they reach dq_i through sum_j p c' k_j and dq_i, with the signs of k.
+  along_rows = lambda x: xp.transpose(x, (0, 2, 1, 3))  # [B, Hq, rows, 1] -> [B, rows, Hq, 1]
+  dq_delta = xp.abs(_rows(xp, p * grad, k)) * along_rows(delta_abs * scale)
+  dq_lse = xp.abs(_rows(xp, p * (dp - delta) * grad, k)) * along_rows(
+      rounding.recompute * finite_lse * scale)
   return {
       "out_sum": _rows(xp, p, av), "out_logit": _rows(xp, pw, av),
       "lse_logit": xp.sum(pw_lse, axis=-1),
-      "dq_sum": _rows(xp, ds, ak), "dq_logit": _rows(xp, ds_w, ak),
-      "dk_sum": _keys(xp, ds, aq), "dk_logit": _keys(xp, ds_w, aq),
+      "dq_sum": _rows(xp, ds_local, ak) + dq_delta,
+      "dq_logit": _rows(xp, ds_w, ak) + dq_lse,
+      "dk_sum": _keys(xp, ds, aq), "dk_logit": _keys(xp, ds_w + ds_w_row, aq),
       "dv_sum": _keys(xp, p, ado), "dv_logit": _keys(xp, pw, ado),
   }
