@@ -54,10 +54,10 @@ UNDERFLOW = {"float32": 2.0 ** -100, "bfloat16": 2.0 ** -100, "float16": 2.0 ** 
 # "Per-element floors").
 SUBNORMAL_ROUNDING = {"float16": 2.0 ** -24}
 FLUSH_BELOW = {"float32": 2.0 ** -126, "bfloat16": 2.0 ** -126}
-# A logit recomputed in a backward, one float32 rounding of it (and of lse)
-# away from the forward's (docs/TOLERANCES.md: a row of one key at |z| = 254
-# had p = 1 +- 2e-5).
-RECOMPUTE_EPS = 2.0 ** -22
+# A logit recomputed in a backward, one float32 ulp of it and of lse (2u) away
+# from the forward's (docs/TOLERANCES.md: a row of one key at |z| = 254 had
+# p = 1 +- 2e-5, 0.66u of |z| + |lse|; "Tighter floors").
+RECOMPUTE_EPS = 2.0 ** -23
 # Max |form - exact| of an implementation's own cap form beyond the exact form's
 # float32 error, relative to the largest cap parameter (forward) or absolute
 # (derivative, within [0, 1]): float16's rounding, 2^-11, with a factor 2 for
