@@ -12,6 +12,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from . import error_terms
 from .bias import CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, output_dtype, stats, verdicts
 from .capabilities import Implementation, load_impl
 from .case import Case
@@ -279,11 +280,10 @@ def huge_tanh_cap_is_no_cap(impl, case: Case):
 def _largest_logit(case: Case) -> tuple[float, float]:
   """Bounds on |s q.k| over the case's pairs (Cauchy-Schwarz) and on |t|, float64."""
   inputs = make_inputs(case)
+  spec, _, temp = error_terms.spec_of(case, inputs)  # the contract's defaults
   norm = lambda x: float(np.max(np.linalg.norm(np.asarray(x, np.float64), axis=-1), initial=0.0))
-  sm = case.sm_scale if case.sm_scale is not None else case.head_dim ** -0.5
-  temp = inputs["temperature"]
   t = 1.0 if temp is None else float(np.max(np.abs(np.asarray(temp, np.float64)), initial=0.0))
-  return abs(sm) * norm(inputs["q"]) * norm(inputs["k"]), t
+  return abs(spec.sm_scale) * norm(inputs["q"]) * norm(inputs["k"]), t
 
 
 def window_covering_sequence_is_no_window(impl, case: Case):

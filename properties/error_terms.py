@@ -80,7 +80,7 @@ HARNESS_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_
 TERMS_LOGITS = 1 << 24
 
 
-def _spec_of(case, inputs):
+def spec_of(case, inputs):
   """The contract's StaticSpec, segment ids and temperature of a case."""
   return validate(
       jnp.asarray(inputs["q"]), jnp.asarray(inputs["k"]), jnp.asarray(inputs["v"]),
@@ -94,7 +94,7 @@ def element_terms(case, inputs: dict, lse, rounding: Rounding):
   """({output: sums}, {output: logit terms}) as float64 numpy arrays of the
   outputs' shapes (lse: only logit terms). ``lse``: the oracle's [B, Hq, T]
   lse. Call under x64."""
-  spec, segment_ids, temperature = _spec_of(case, inputs)
+  spec, segment_ids, temperature = spec_of(case, inputs)
   f64 = lambda x: np.asarray(x, np.float64)
   q, k, v, dout = (f64(inputs[n]) for n in ("q", "k", "v", "dout"))
   g = spec.group_size
@@ -260,8 +260,9 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
   # A probability below the dtype's normal range is rounded absolutely. The
   # recomputed lse's part of p's error is the same factor across a row (pw_row).
   pw_row = p * rounding.recompute * finite_lse
-  pw = (p * (rounding.recompute * xp.abs(z) + form) + pw_row
-        + (rounding.subnormal + xp.minimum(p, rounding.flush)) * mask)
+  pw_pair = (p * (rounding.recompute * xp.abs(z) + form)
+             + (rounding.subnormal + xp.minimum(p, rounding.flush)) * mask)
+  pw = pw_pair + pw_row
   av, ak, aq, ado = (xp.abs(x) for x in (v, k, q_r, dout_r))
   dp, dp_abs = _pairs(xp, dout_r, v), _pairs(xp, ado, av)
   lse_grad = dlse_r + spec.z_loss_weight * xp.where(xp.isfinite(lse_r), lse_r, 0.0)
@@ -278,7 +279,7 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
   ds_w_row = pw_row * (xp.abs(dp - delta) + delta_abs) * slope
   # ... a cap form's derivative, off by its own error (absolute, not a rounding),
   # and ds below the dtype's normal range.
-  ds_w = ((pw - pw_row) * (xp.abs(dp - delta) + delta_abs) * slope
+  ds_w = (pw_pair * (xp.abs(dp - delta) + delta_abs) * slope
           + rounding.logit * p * (dp_abs + delta_abs) * slope
           + p * (xp.abs(dp - delta) + delta_abs) * scale * (rounding.form + step)
           + (rounding.subnormal + rounding.flush) * mask)
