@@ -164,8 +164,8 @@ MUTANTS = [
     Mutant("M30", TILE_MATH, "  if jnp.dtype(dtype) != jnp.dtype(jnp.float16):\n    return to_operand(ds, dtype, bits), None",
            "  if True:\n    return to_operand(ds, dtype, bits), None",
            "float16 ds cast without the power-of-two scale (overflows past 65504)"),
-    Mutant("M33", TILE_MATH, "    scale = jnp.where((big > 0) & (big * scale * 2.0 ** k <= _FLOAT16_SAFE),",
-           "    scale = jnp.where((big > 1e30) & (big * scale * 2.0 ** k <= _FLOAT16_SAFE),",
+    Mutant("M33", TILE_MATH, "                                   jnp.int32(_MAX_SCALE_UP)))",
+           "                                   jnp.int32(0)))",
            "float16 ds not scaled up into the normal range (small ds round to the subnormal "
            "spacing, one way: a bias)"),
     Mutant("M34", SOFTMAX_STATE,

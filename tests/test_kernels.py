@@ -475,36 +475,44 @@ def test_keys_by_queries_tiles_are_the_transpose(dtype, options, with_temperatur
     ds_t = tile_math.logits_grad(spec, p_t, dp.T, delta, logits_t, temp, fast_cap)
     np.testing.assert_array_equal(np.asarray(ds_t), np.asarray(ds).T)
     # dk's operand: per key, a column of ds (axis 0) or a row of dsT (axis 1).
-    operand, back = tile_math.matmul_operand(ds, dtype, axis=0)
-    operand_t, back_t = tile_math.matmul_operand(ds_t, dtype, axis=1)
+    operand, exponent = tile_math.matmul_operand(ds, dtype, axis=0)
+    operand_t, exponent_t = tile_math.matmul_operand(ds_t, dtype, axis=1)
     np.testing.assert_array_equal(np.asarray(operand_t, np.float32),
                                   np.asarray(operand, np.float32).T)
-    assert (back is None) == (back_t is None) == (dtype == jnp.bfloat16)
-    if back is not None:
-      assert np.any(np.asarray(back) > 1.0), "no key's ds reached float16's scale-down"
-      np.testing.assert_array_equal(np.asarray(back_t), np.asarray(back))
+    assert (exponent is None) == (exponent_t is None) == (dtype == jnp.bfloat16)
+    if exponent is not None:
+      assert np.any(np.asarray(exponent) < 0), "no key's ds reached float16's scale-down"
+      np.testing.assert_array_equal(np.asarray(exponent_t), np.asarray(exponent))
 
 
 def test_float16_ds_slices_are_scaled_exactly_into_the_normal_range():
   """matmul_operand: each float16 ds slice by a power of two whose product with
-  its largest |ds| lies in (2^14, 2^15], so that no slice's values round to the
-  subnormal spacing (B33) or overflow (F16), and the factor undoes it exactly;
+  its largest |ds| lies in [2^14, 2^15), so that no slice's values round to the
+  subnormal spacing (B33) or overflow (F16), and scaled_back undoes it exactly;
   a slice of zeros stays as it is, and one too small for 2^63 to lift stays small."""
   from ua_kernels import tile_math
   rng = np.random.default_rng(0)
   magnitudes = np.array([1e-12, 3e-6, 1e-3, 1.0, 2.0 ** 14, 3e4, 1e6, 1e30])
-  ds = rng.normal(size=(len(magnitudes) + 2, 16)) * np.r_[magnitudes, 0.0, 1e-25][:, None]
-  ds[-2] = 0.0
+  ds = rng.normal(size=(len(magnitudes) + 3, 16)) * np.r_[magnitudes, 0.0, 1e-25, 1.0][:, None]
+  ds[-3] = 0.0
+  ds[-1, 3] = 2.0 ** 15  # a largest value on a power of two: the interval's open end
   ds = jnp.asarray(ds, jnp.float32)
-  operand, back = tile_math.matmul_operand(ds, jnp.float16, axis=1)
-  operand, back = np.asarray(operand, np.float64), np.asarray(back, np.float64)
+  operand, exponent = tile_math.matmul_operand(ds, jnp.float16, axis=1)
+  assert exponent.dtype == jnp.int32
+  operand, exponent = np.asarray(operand, np.float64), np.asarray(exponent)
   largest = np.max(np.abs(operand), axis=1)
-  assert np.all((largest[:-2] > 2.0 ** 14) & (largest[:-2] <= 2.0 ** 15)), largest
-  assert np.all(np.log2(back) == np.round(np.log2(back))), back  # powers of two
-  scaled = np.asarray(ds, np.float64) / back[:, None]
+  normal = np.r_[:len(magnitudes), -1]
+  assert np.all((largest[normal] >= 2.0 ** 14) & (largest[normal] < 2.0 ** 15)), largest
+  scaled = np.asarray(ds, np.float64) * 2.0 ** exponent[:, None]
   np.testing.assert_array_equal(operand, scaled.astype(np.float16).astype(np.float64))
-  assert back[-2] == 1.0 and largest[-2] == 0.0
-  assert back[-1] == 2.0 ** -63 and largest[-1] < 2.0 ** -14
+  assert exponent[-3] == 0 and largest[-3] == 0.0
+  assert exponent[-2] == 63 and largest[-2] < 2.0 ** -14
+  assert largest[-1] == 2.0 ** 14
+  np.testing.assert_array_equal(
+      np.asarray(tile_math.scaled_back(jnp.asarray(scaled, jnp.float32), jnp.asarray(exponent))),
+      np.asarray(ds))
+  np.testing.assert_array_equal(np.asarray(tile_math.power_of_two(jnp.arange(-126, 128))),
+                                2.0 ** np.arange(-126, 128))
   bf16, none = tile_math.matmul_operand(ds, jnp.bfloat16, axis=1)
   assert none is None and bf16.dtype == jnp.bfloat16
 

@@ -137,9 +137,9 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset
     ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)
     bits = (dither_bits(*position_grid(ds.shape, qt.start, kv_block * block_kv), 1)
             if unbiased_ds else None)
-    ds16, back = matmul_operand(ds, k.dtype, axis=1, bits=bits)
+    ds16, exponent = matmul_operand(ds, k.dtype, axis=1, bits=bits)
     term = gradient_product(ds16, k)
-    return dq + scaled_back(term, back)
+    return dq + scaled_back(term, exponent)
 
   tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
                    *_segment_span(span_ref, qt.start, block_q), delta=qt.offset)
@@ -201,10 +201,10 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offse
         to_operand(p, do.dtype, dither_bits(*grid, 0) if unbiased_p else None), do, trans_a=True)
     dp = dot(do, v, trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, temp, fast_cap)
-    ds16, back = matmul_operand(ds, q.dtype, axis=0,
-                                bits=dither_bits(*grid, 1) if unbiased_ds else None)
+    ds16, exponent = matmul_operand(ds, q.dtype, axis=0,
+                                    bits=dither_bits(*grid, 1) if unbiased_ds else None)
     term = gradient_product(ds16, q, trans_a=True)
-    dk = dk + scaled_back(term, back)
+    dk = dk + scaled_back(term, exponent)
     return dk, dv
 
   zeros = (jnp.zeros(k.shape, jnp.float32),) * 2

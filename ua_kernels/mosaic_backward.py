@@ -218,15 +218,45 @@ def _ring_columns(ring, s, part, half: int):
   return ring.at[s] if part is None else ring.at[s, :, _column_half(part, half)]
 
 
-def _accumulate(acc, a, b_smem, back):
-  """acc + a @ b by wgmma; with matmul_operand's factor ``back`` the product
-  is taken from zero and its rows scaled back before the sum."""
+class _Scaled(NamedTuple):
+  """A float16 gradient's float32 accumulator and its rows' exponents: the
+  gradient is ``acc`` times 2^-exponent, row by row (matmul_operand's)."""
+  acc: Any
+  exponent: Any
+
+
+def _zero_gradient(rows: int, columns: int, dtype):
+  """A gradient accumulator of zeros in wgmma's layout; for float16 a _Scaled
+  one, whose rows follow the range scaling of the ds they sum."""
+  plgpu = mosaic_common.plgpu()
+  zeros = plgpu.layout_cast(jnp.zeros((rows, columns), jnp.float32), plgpu.Layout.WGMMA)
+  if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
+    return zeros
+  return _Scaled(zeros, plgpu.layout_cast(jnp.zeros((rows,), jnp.int32),
+                                          plgpu.Layout.WGMMA.reduce(1)))
+
+
+def _gradient(acc):
+  """The float32 gradient of an accumulator of _zero_gradient's kind."""
+  return scaled_back(acc.acc, acc.exponent) if isinstance(acc, _Scaled) else acc
+
+
+def _accumulate(acc, a, b_smem, exponent):
+  """acc + a @ b by wgmma, accumulated in place. With matmul_operand's
+  ``exponent`` (float16) the _Scaled accumulator's rows are first brought to
+  the operand's scale, by a power of two: one multiply per element, and no
+  second accumulator to take the product from zero (docs/BENCHMARKS.md, the
+  float16 range scaling). The step is clipped to float32's normal range,
+  2^+-126, which it passes only beside a |ds| above 2^78; a row's sum that
+  leaves float32's range when brought up (beyond 2^65, for a tile of |ds|
+  below 2^-48) is beyond float16's output range too."""
   plgpu = mosaic_common.plgpu()
   product = lambda acc_ref: plgpu.wgmma(acc_ref, a, b_smem)
-  if back is None:
+  if exponent is None:
     return pl.run_state(product)(plgpu.ACC.init(acc))
-  zeros = plgpu.layout_cast(jnp.zeros(acc.shape, jnp.float32), plgpu.Layout.WGMMA)
-  return acc + scaled_back(pl.run_state(product)(plgpu.ACC.init(zeros)), back)
+  step = jnp.clip(exponent - acc.exponent, jnp.int32(-126), jnp.int32(126))
+  rescaled = scaled_back(acc.acc, -step)
+  return _Scaled(pl.run_state(product)(plgpu.ACC.init(rescaled)), exponent)
 
 
 def _scores_pair(a_parts, b_ring, c_parts, d_ring, s, shape, half: int):
@@ -344,8 +374,8 @@ def _dq_step(p: BackwardParams, ring: _KeyRing, q_own, do_own, part, seg_ref, bi
   ds = logits_grad(p.spec, probs, dp, delta_q, logits, temp_q, p.fast_cap)
   bits = (dither_bits(*position_tiles(ds.shape, q_start, kb * shape.block_kv, 0), 1)
           if unbiased_roundings(p.spec, shape.dtype)[1] else None)
-  ds16, back = matmul_operand(ds, shape.dtype, axis=1, bits=bits)
-  dq = _accumulate(dq, ds16, _ring_columns(ring.k_smem, s, part, shape.half), back)
+  ds16, exponent = matmul_operand(ds, shape.dtype, axis=1, bits=bits)
+  dq = _accumulate(dq, ds16, _ring_columns(ring.k_smem, s, part, shape.half), exponent)
   plgpu.barrier_arrive(ring.kv_free.at[s])
   return dq
 
@@ -392,14 +422,14 @@ def dq_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref,
       return _dq_step(p, ring, q_smem, do_smem, None, seg_ref, bi, q_start, rows, kb, dq,
                       masked)
 
-    dq = plgpu.layout_cast(jnp.zeros((bq, p.shape.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    dq = _zero_gradient(bq, p.shape.head_dim, p.shape.dtype)
     tiles = own_tiles(kv_tiles(
         p.spec_padded, q_start, bq, bkv, p.padded,
         own_span, own_uniform), cta_lo, cta_hi)
     dq = lax.fori_loop(cta_lo, tiles.lo, drain, dq)
     dq = tile_loop(tiles, visit, dq)
     dq = lax.fori_loop(tiles.hi, cta_hi, drain, dq)
-    q_smem[...] = dq.astype(p.shape.dtype)  # Q's buffer holds dq on its way out
+    q_smem[...] = _gradient(dq).astype(p.shape.dtype)  # Q's buffer holds dq on its way out
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[own])
     plgpu.wait_smem_to_gmem(0)
@@ -444,9 +474,8 @@ def dq_halves_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, s
       return _dq_step(p, ring, q_halves, do_halves, part, seg_ref, bi, q_start, rows, kb, dq,
                       masked)
 
-    dq = plgpu.layout_cast(jnp.zeros((bq, p.shape.half), jnp.float32), plgpu.Layout.WGMMA)
-    dq = tile_loop(tiles, visit, dq)
-    _store_halves(p, part, computed, [(q_halves, dq_ref, dq)], own)
+    dq = tile_loop(tiles, visit, _zero_gradient(bq, p.shape.half, p.shape.dtype))
+    _store_halves(p, part, computed, [(q_halves, dq_ref, _gradient(dq))], own)
 
   _run_halves(wg, compute, lambda: _stream_keys(p, ring, k_ref, v_ref, bi, kv_head))
 
@@ -515,9 +544,9 @@ def _dkv_step(p: BackwardParams, ring: _QueryRing, k_own, v_own, part, seg_ref, 
                                   dither_bits(*grid, 0) if unbiased_p else None),
                    _ring_columns(ring.do_smem, s, part, shape.half), None)
   ds_t = logits_grad(p.spec, p_t, dp_t, delta_q, logits, temp_q, p.fast_cap)
-  ds16, back = matmul_operand(ds_t, shape.dtype, axis=1,
-                              bits=dither_bits(*grid, 1) if unbiased_ds else None)
-  dk = _accumulate(dk, ds16, _ring_columns(ring.q_smem, s, part, shape.half), back)
+  ds16, exponent = matmul_operand(ds_t, shape.dtype, axis=1,
+                                  bits=dither_bits(*grid, 1) if unbiased_ds else None)
+  dk = _accumulate(dk, ds16, _ring_columns(ring.q_smem, s, part, shape.half), exponent)
   plgpu.barrier_arrive(ring.q_free.at[s])
   return dk, dv
 
@@ -572,15 +601,15 @@ def dkv_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref
       return _dkv_step(p, ring, k_smem, v_smem, None, seg_ref, bi, k_start, qb, g, carry,
                        masked)
 
-    zeros = plgpu.layout_cast(jnp.zeros((bkv, p.shape.head_dim), jnp.float32),
-                              plgpu.Layout.WGMMA)
+    zeros = (_zero_gradient(bkv, p.shape.head_dim, p.shape.dtype),
+             _zero_gradient(bkv, p.shape.head_dim, jnp.float32))
     tiles = own_tiles(q_tiles(
         p.spec_padded, k_start, bq, bkv, p.padded,
         own_span, own_uniform), cta_lo, cta_hi)
-    carry = lax.fori_loop(first, tiles.lo * group, drain, (zeros, zeros))
+    carry = lax.fori_loop(first, tiles.lo * group, drain, zeros)
     carry = tile_loop(tiles, _group_steps(p, step), carry)
     dk, dv = lax.fori_loop(tiles.hi * group, last, drain, carry)
-    k_smem[...] = dk.astype(p.shape.dtype)  # K's and V's buffers hold dk, dv on their way out
+    k_smem[...] = _gradient(dk).astype(p.shape.dtype)  # K's and V's buffers hold dk, dv on their way out
     v_smem[...] = dv.astype(p.shape.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[own])
@@ -628,9 +657,11 @@ def dkv_halves_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, 
       return _dkv_step(p, ring, k_halves, v_halves, part, seg_ref, bi, k_start, qb, g, carry,
                        masked)
 
-    zeros = plgpu.layout_cast(jnp.zeros((bkv, p.shape.half), jnp.float32), plgpu.Layout.WGMMA)
-    dk, dv = tile_loop(tiles, _group_steps(p, step), (zeros, zeros))
-    _store_halves(p, part, computed, [(k_halves, dk_ref, dk), (v_halves, dv_ref, dv)], own)
+    dk, dv = tile_loop(tiles, _group_steps(p, step),
+                       (_zero_gradient(bkv, p.shape.half, p.shape.dtype),
+                        _zero_gradient(bkv, p.shape.half, jnp.float32)))
+    _store_halves(p, part, computed,
+                  [(k_halves, dk_ref, _gradient(dk)), (v_halves, dv_ref, dv)], own)
 
   _run_halves(wg, compute, lambda: _stream_queries(p, ring, q_ref, do_ref, rows_ref, bi,
                                                    kv_head))

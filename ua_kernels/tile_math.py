@@ -256,9 +256,10 @@ def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: 
   return ds * spec.sm_scale
 
 
-# float16's largest finite value is 65504 = 2^16 - 2^5; ds tiles are kept below 2^15,
-# and brought up to above 2^14 where they are smaller (by a factor of at most 2^63).
-_FLOAT16_SAFE = 2.0 ** 15
+# float16's largest finite value is 65504 = 2^16 - 2^5: a ds slice's largest |ds| is
+# scaled into [2^14, 2^15), up by a factor of at most 2^63.
+_FLOAT16_TOP = 15
+_MAX_SCALE_UP = 63
 
 
 # The R2 lattice's multipliers as 32-bit fractions (0xC13FA9A9, 0x91E10DA5, i.e.
@@ -324,8 +325,15 @@ def to_operand(x, dtype, bits=None):
   return x.astype(dtype) if bits is None else round_unbiased(x, dtype, bits)
 
 
+def power_of_two(exponent):
+  """2^exponent in float32, exactly, from its bits (int32 ``exponent`` in
+  float32's normal range, [-126, 127]): no division or log2 in the kernels."""
+  return lax.bitcast_convert_type(lax.shift_left(exponent + 127, jnp.int32(23)), jnp.float32)
+
+
 def matmul_operand(ds, dtype, axis: int, bits=None):
-  """(ds in the matmul dtype ``dtype``, the per-slice factor of the product or None).
+  """(ds in the matmul dtype ``dtype``; None, or for float16 the int32
+  exponent e of each slice along ``axis``, the operand being ds * 2^e).
 
   The gradient tiles ds = p * (dp - delta) * temperature * sm_scale feed the
   16-bit tensor cores. bfloat16 has float32's range; float16 ends at 65504,
@@ -336,32 +344,29 @@ def matmul_operand(ds, dtype, axis: int, bits=None):
   the same way on many elements of nearly one-hot rows (B33: dk biased by half
   an ulp). For float16 each slice along ``axis`` (a query row for dq: axis 1; a
   key column for the Triton dk: axis 0; a key row of the Mosaic dk/dv kernel's
-  keys-by-queries tile: axis 1) is scaled by a power of two, exactly, that
-  brings its largest |ds| into (2^14, 2^15] (a slice of zeros, and one below
-  2^-48, which 2^63 cannot lift, stay below), and the caller scales that row of
-  the product back. Selects, not log2: a handful of per-slice operations.
-  ``bits`` (dither_bits): rounded without bias (unbiased_roundings)."""
+  keys-by-queries tile: axis 1) is scaled by the power of two, exact, that
+  brings its largest |ds| into [2^14, 2^15) (at most 2^63: a slice below
+  2^-49 stays below; a slice of zeros, or of float32 subnormals, is left as it
+  is), read off that largest value's exponent bits, and the caller scales
+  that row of the product back (scaled_back). ``bits`` (dither_bits): rounded
+  without bias (unbiased_roundings)."""
   if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
     return to_operand(ds, dtype, bits), None
   big = jnp.max(jnp.abs(ds), axis=axis)
-  scale = jnp.ones_like(big)
-  # The smallest power-of-two scale-down that brings big to 2^15: each step
-  # halves the bound on big * scale's excess (float32 ds is below 2^128) ...
-  for k in (64, 32, 16, 8, 4, 2, 1, 0):
-    scale = jnp.where(big * scale > _FLOAT16_SAFE * 2.0 ** k, scale * 2.0 ** -max(k, 1), scale)
-  # ... or the largest scale-up (up to 2^63) that keeps it at most 2^15; a slice
-  # of zeros stays as it is.
-  for k in (32, 16, 8, 4, 2, 1):
-    scale = jnp.where((big > 0) & (big * scale * 2.0 ** k <= _FLOAT16_SAFE),
-                      scale * 2.0 ** k, scale)
-  scaled = ds * lax.broadcast_in_dim(scale, ds.shape, (1 - axis,))
-  return to_operand(scaled, dtype, bits), 1.0 / scale
+  # big lies in [2^(b - 127), 2^(b - 126)) for its biased exponent b (0: zero or
+  # subnormal), so 2^(127 + 14 - b) brings it into [2^14, 2^15).
+  biased = lax.shift_right_logical(lax.bitcast_convert_type(big, jnp.int32), jnp.int32(23))
+  exponent = jnp.where(biased == 0, jnp.int32(0),
+                       jnp.minimum(jnp.int32(127 + _FLOAT16_TOP - 1) - biased,
+                                   jnp.int32(_MAX_SCALE_UP)))
+  scaled = ds * lax.broadcast_in_dim(power_of_two(exponent), ds.shape, (1 - axis,))
+  return to_operand(scaled, dtype, bits), exponent
 
 
-def scaled_back(term, back):
-  """A product of matmul_operand's operand, its rows scaled back by ``back``
+def scaled_back(term, exponent):
+  """A product of matmul_operand's operand, its rows scaled back by 2^-exponent
   (None: unscaled)."""
-  return term if back is None else along_rows(back, term) * term
+  return term if exponent is None else along_rows(power_of_two(-exponent), term) * term
 
 
 def _div(a, b: int):
