@@ -245,8 +245,8 @@ def _accumulate(acc, a, b_smem, exponent):
   """acc + a @ b by wgmma, accumulated in place. With matmul_operand's
   ``exponent`` (float16) the _Scaled accumulator's rows are first brought to
   the operand's scale, by a power of two: one multiply per element, and no
-  second accumulator to take the product from zero (docs/BENCHMARKS.md, the
-  float16 range scaling). The step is clipped to float32's normal range,
+  second accumulator to take the product from zero (docs/BENCHMARKS.md, "The
+  float16 range scaling in place"). The step is clipped to float32's normal range,
   2^+-126, which it passes only beside a |ds| above 2^78; a row's sum that
   leaves float32's range when brought up (beyond 2^65, for a tile of |ds|
   below 2^-48) is beyond float16's output range too."""
