@@ -246,10 +246,13 @@ def _accumulate(acc, a, b_smem, exponent):
   ``exponent`` (float16) the _Scaled accumulator's rows are first brought to
   the operand's scale, by a power of two: one multiply per element, and no
   second accumulator to take the product from zero (docs/BENCHMARKS.md, "The
-  float16 range scaling in place"). The step is clipped to float32's normal range,
-  2^+-126, which it passes only beside a |ds| above 2^78; a row's sum that
-  leaves float32's range when brought up (beyond 2^65, for a tile of |ds|
-  below 2^-48) is beyond float16's output range too."""
+  float16 range scaling in place"). A row's sum that leaves float32's range
+  when brought up (beyond 2^65, for a tile of |ds| below 2^-48) is beyond
+  float16's output range too. The step is clipped to float32's normal range,
+  2^+-126, which binds only in a row holding a |ds| of at least 2^78 (with
+  float16 inputs, |temperature * sm_scale| of about 2^38 or more): there the
+  earlier tiles' sum is mis-scaled by up to 2^50, which shows only where the
+  huge ds meet zero or cancelling keys (docs/DEFECTS.md, F16)."""
   plgpu = mosaic_common.plgpu()
   product = lambda acc_ref: plgpu.wgmma(acc_ref, a, b_smem)
   if exponent is None:
