@@ -195,8 +195,8 @@ MUTANTS = [
            "  o_ref[...] = out.astype(o_ref.dtype)\n",
            "bfloat16 forward outputs rounded toward zero, not to nearest: within one ulp of every "
            "element, every element biased toward zero"),
-    Mutant("S3", TILE_MATH, "  return to_operand(scaled, dtype, bits), 1.0 / scale",
-           "  return scaled.astype(jnp.bfloat16).astype(dtype), 1.0 / scale",
+    Mutant("S3", TILE_MATH, "  return to_operand(scaled, dtype, bits), exponent",
+           "  return scaled.astype(jnp.bfloat16).astype(dtype), exponent",
            "float16 ds rounded through bfloat16 (3 significand bits fewer): dq and dk errors grow "
            "several-fold, inside the bound", rotates=False),
     Mutant("S4", TILE_MATH, "    ds = ds * cap_grad(logits.cap_arg, *logits.cap_params)\n",
