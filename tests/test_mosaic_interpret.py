@@ -196,7 +196,36 @@ def test_a_persistent_overlapped_forward_matches_triton(shape_class, interpreter
 
 
 def _compare(shape_class, tiles, backward=True):
-  (q, k, v), inputs, options = _gpu_inputs(shape_class)
+  _compare_inputs(*_gpu_inputs(shape_class), tiles, backward)
+
+
+def _far_apart_tiles():
+  """float16 inputs whose rows' largest |ds| lie far apart from one tile to the
+  next, both ways. Queries and keys share a large common part (logits near
+  1.3e4 at temperature 40 and sm_scale 1/4: with a z-loss of 1, the own
+  tiles' |ds| reach 2^16, past float16's range) and differ by a small part of
+  opposite sign between the two halves (the other half's logits 60 lower:
+  |ds| near 2^-72 there, still normal in float32). Every float16 dq and dk row
+  is then rescaled in place (mosaic_backward._accumulate) by 2^57 to 2^65, up
+  in the first half's rows and keys, down in the second's."""
+  b, t, h, d = 1, 256, 2, 64
+  rng = np.random.default_rng(3)
+  side = np.where(np.arange(t) < t // 2, 1.0, -1.0)[None, :, None, None]
+  common = np.r_[np.full(d // 2, 36.0 / np.sqrt(d // 2)), np.zeros(d // 2)]
+  apart = np.r_[np.zeros(d // 2), np.full(d // 2, np.sqrt(3.0 / (d // 2)))]
+  q, k = (common + side * apart + 0.01 * rng.normal(size=(b, t, h, d)) for _ in range(2))
+  v = rng.normal(size=(b, t, h, d))
+  qkv = tuple(jnp.asarray(x, jnp.float16) for x in (q, k, v))
+  temperature = jnp.full((b, t, h), 40.0, jnp.float32)
+  return qkv, {"temperature": temperature}, {"z_loss_weight": 1.0, "sm_scale": 0.25}
+
+
+def test_float16_rows_rescaled_across_far_apart_tiles_match_triton(interpreter_gaps):
+  _compare_inputs(*_far_apart_tiles(), MosaicTiles())
+
+
+def _compare_inputs(qkv, inputs, options, tiles, backward=True):
+  q, k, v = qkv
   spec, seg, temp = validate(q, k, v, **options, **inputs)
   temp = None if temp is None else temp.astype(jnp.float32)
   triton = effective_config(spec, q.dtype, KernelConfig(backend="triton", interpret=True))
