@@ -68,7 +68,8 @@ from .mosaic_common import (RingCopy, load_vector, own_tiles, position_tiles, pr
 from .padding import pad
 from .segment_spans import tile_ranges
 from .tile_math import (dither_bits, kv_tiles, logits_grad, matmul_operand, probabilities,
-                        q_tiles, scaled_back, tile_loop, to_operand, unbiased_roundings)
+                        q_tiles, range_scaled, scaled_back, tile_loop, to_operand,
+                        unbiased_roundings)
 
 MAX_HEAD_DIM = 256
 # Above this head dim both kernels split the gradients' columns between their
@@ -225,12 +226,13 @@ class _Scaled(NamedTuple):
   exponent: Any
 
 
-def _zero_gradient(rows: int, columns: int, dtype):
-  """A gradient accumulator of zeros in wgmma's layout; for float16 a _Scaled
-  one, whose rows follow the range scaling of the ds they sum."""
+def _zero_gradient(rows: int, columns: int, scaled: bool = False):
+  """A gradient accumulator of zeros in wgmma's layout; ``scaled`` (dq and dk
+  where range_scaled) a _Scaled one, whose rows follow the range scaling of
+  the ds they sum."""
   plgpu = mosaic_common.plgpu()
   zeros = plgpu.layout_cast(jnp.zeros((rows, columns), jnp.float32), plgpu.Layout.WGMMA)
-  if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
+  if not scaled:
     return zeros
   return _Scaled(zeros, plgpu.layout_cast(jnp.zeros((rows,), jnp.int32),
                                           plgpu.Layout.WGMMA.reduce(1)))
@@ -425,7 +427,7 @@ def dq_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref,
       return _dq_step(p, ring, q_smem, do_smem, None, seg_ref, bi, q_start, rows, kb, dq,
                       masked)
 
-    dq = _zero_gradient(bq, p.shape.head_dim, p.shape.dtype)
+    dq = _zero_gradient(bq, p.shape.head_dim, range_scaled(p.shape.dtype))
     tiles = own_tiles(kv_tiles(
         p.spec_padded, q_start, bq, bkv, p.padded,
         own_span, own_uniform), cta_lo, cta_hi)
@@ -477,7 +479,7 @@ def dq_halves_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, s
       return _dq_step(p, ring, q_halves, do_halves, part, seg_ref, bi, q_start, rows, kb, dq,
                       masked)
 
-    dq = tile_loop(tiles, visit, _zero_gradient(bq, p.shape.half, p.shape.dtype))
+    dq = tile_loop(tiles, visit, _zero_gradient(bq, p.shape.half, range_scaled(p.shape.dtype)))
     _store_halves(p, part, computed, [(q_halves, dq_ref, _gradient(dq))], own)
 
   _run_halves(wg, compute, lambda: _stream_keys(p, ring, k_ref, v_ref, bi, kv_head))
@@ -604,15 +606,16 @@ def dkv_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref
       return _dkv_step(p, ring, k_smem, v_smem, None, seg_ref, bi, k_start, qb, g, carry,
                        masked)
 
-    zeros = (_zero_gradient(bkv, p.shape.head_dim, p.shape.dtype),
-             _zero_gradient(bkv, p.shape.head_dim, jnp.float32))
+    zeros = (_zero_gradient(bkv, p.shape.head_dim, range_scaled(p.shape.dtype)),
+             _zero_gradient(bkv, p.shape.head_dim))
     tiles = own_tiles(q_tiles(
         p.spec_padded, k_start, bq, bkv, p.padded,
         own_span, own_uniform), cta_lo, cta_hi)
     carry = lax.fori_loop(first, tiles.lo * group, drain, zeros)
     carry = tile_loop(tiles, _group_steps(p, step), carry)
     dk, dv = lax.fori_loop(tiles.hi * group, last, drain, carry)
-    k_smem[...] = _gradient(dk).astype(p.shape.dtype)  # K's and V's buffers hold dk, dv on their way out
+    # K's and V's buffers hold dk, dv on their way out.
+    k_smem[...] = _gradient(dk).astype(p.shape.dtype)
     v_smem[...] = dv.astype(p.shape.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[own])
@@ -661,8 +664,8 @@ def dkv_halves_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, 
                        masked)
 
     dk, dv = tile_loop(tiles, _group_steps(p, step),
-                       (_zero_gradient(bkv, p.shape.half, p.shape.dtype),
-                        _zero_gradient(bkv, p.shape.half, jnp.float32)))
+                       (_zero_gradient(bkv, p.shape.half, range_scaled(p.shape.dtype)),
+                        _zero_gradient(bkv, p.shape.half)))
     _store_halves(p, part, computed,
                   [(k_halves, dk_ref, _gradient(dk)), (v_halves, dv_ref, dv)], own)
 

@@ -331,6 +331,11 @@ def power_of_two(exponent):
   return lax.bitcast_convert_type(lax.shift_left(exponent + 127, jnp.int32(23)), jnp.float32)
 
 
+def range_scaled(dtype) -> bool:
+  """Whether matmul_operand scales ds into the matmul dtype's range (float16)."""
+  return jnp.dtype(dtype) == jnp.dtype(jnp.float16)
+
+
 def matmul_operand(ds, dtype, axis: int, bits=None):
   """(ds in the matmul dtype ``dtype``; None, or for float16 the int32
   exponent e of each slice along ``axis``, the operand being ds * 2^e).
@@ -350,7 +355,7 @@ def matmul_operand(ds, dtype, axis: int, bits=None):
   is), read off that largest value's exponent bits, and the caller scales
   that row of the product back (scaled_back). ``bits`` (dither_bits): rounded
   without bias (unbiased_roundings)."""
-  if jnp.dtype(dtype) != jnp.dtype(jnp.float16):
+  if not range_scaled(dtype):
     return to_operand(ds, dtype, bits), None
   big = jnp.max(jnp.abs(ds), axis=axis)
   # big lies in [2^(b - 127), 2^(b - 126)) for its biased exponent b (0: zero or
