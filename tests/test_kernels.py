@@ -517,6 +517,22 @@ def test_float16_ds_slices_are_scaled_exactly_into_the_normal_range():
   assert none is None and bf16.dtype == jnp.bfloat16
 
 
+def test_rows_are_rescaled_exactly_between_any_two_float16_operand_scales():
+  """tile_math.rescaled, the Mosaic backward's in-place step between two tiles'
+  ds scales: exact for the farthest pairs of matmul_operand's exponents
+  (2^63 to 2^-113 and back, 176 binades: one clipped factor is 2^50 off) and
+  for steps of either sign within float32's normal range."""
+  from ua_kernels import tile_math
+  pairs = np.array([(63, -113), (-113, 63), (0, 0), (40, -50), (-50, 40), (63, 0), (-113, 0),
+                    (62, -113), (-112, 63)], np.int32)
+  values = 1.5 * np.ones((len(pairs), 4))
+  values[:, 1:] *= np.array([-1.0, 0.75, 1.0 + 2.0 ** -20])
+  held = values * 2.0 ** pairs[:, :1]
+  got = tile_math.rescaled(jnp.asarray(held, jnp.float32), jnp.asarray(pairs[:, 0]),
+                           jnp.asarray(pairs[:, 1]))
+  np.testing.assert_array_equal(np.asarray(got, np.float64), values * 2.0 ** pairs[:, 1:])
+
+
 def test_float32_gradient_terms_are_rounded_once_per_tile(monkeypatch):
   """The float32 backward kernels' Triton IR has no dot whose result feeds an
   add directly (tile_math.gradient_product): Triton's combine pass would fold

@@ -63,12 +63,12 @@ from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
 from .kernel_config import MosaicTiles
-from .mosaic_common import (RingCopy, load_vector, own_tiles, position_tiles, program_spans,
-                            program_tiles, ring_slot, tile_logits, tile_span)
+from .mosaic_common import (RingCopy, launched_q_tile, load_vector, own_tiles, position_tiles,
+                            program_spans, program_tiles, ring_slot, tile_logits, tile_span)
 from .padding import pad
 from .segment_spans import tile_ranges
 from .tile_math import (dither_bits, kv_tiles, logits_grad, matmul_operand, probabilities,
-                        q_tiles, range_scaled, scaled_back, tile_loop, to_operand,
+                        q_tiles, range_scaled, rescaled, scaled_back, tile_loop, to_operand,
                         unbiased_roundings)
 
 MAX_HEAD_DIM = 256
@@ -246,22 +246,17 @@ def _gradient(acc):
 def _accumulate(acc, a, b_smem, exponent):
   """acc + a @ b by wgmma, accumulated in place. With matmul_operand's
   ``exponent`` (float16) the _Scaled accumulator's rows are first brought to
-  the operand's scale, by a power of two: one multiply per element, and no
-  second accumulator to take the product from zero (docs/BENCHMARKS.md, "The
+  the operand's scale (tile_math.rescaled: two multiplies per element), and no
+  second accumulator takes the product from zero (docs/BENCHMARKS.md, "The
   float16 range scaling in place"). A row's sum that leaves float32's range
   when brought up (beyond 2^65, for a tile of |ds| below 2^-48) is beyond
-  float16's output range too. The step is clipped to float32's normal range,
-  2^+-126, which binds only in a row holding a |ds| of at least 2^78 (with
-  float16 inputs, |temperature * sm_scale| of about 2^38 or more): there the
-  earlier tiles' sum is mis-scaled by up to 2^50, which shows only where the
-  huge ds meet zero or cancelling keys (docs/DEFECTS.md, F16)."""
+  float16's output range too."""
   plgpu = mosaic_common.plgpu()
   product = lambda acc_ref: plgpu.wgmma(acc_ref, a, b_smem)
   if exponent is None:
     return pl.run_state(product)(plgpu.ACC.init(acc))
-  step = jnp.clip(exponent - acc.exponent, jnp.int32(-126), jnp.int32(126))
-  rescaled = scaled_back(acc.acc, -step)
-  return _Scaled(pl.run_state(product)(plgpu.ACC.init(rescaled)), exponent)
+  rescaled_acc = rescaled(acc.acc, acc.exponent, exponent)
+  return _Scaled(pl.run_state(product)(plgpu.ACC.init(rescaled_acc)), exponent)
 
 
 def _scores_pair(a_parts, b_ring, c_parts, d_ring, s, shape, half: int):
@@ -395,7 +390,7 @@ def dq_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref,
   bq, bkv = p.shape.block_q, p.shape.block_kv
   bi = lax.axis_index("batch")
   h = lax.axis_index("heads")
-  tile = lax.axis_index("q_tiles")
+  tile = launched_q_tile(p.spec, p.spec_padded.seq_len // (2 * bq))
   wg = lax.axis_index("wg")
   kv_head = lax.div(h, jnp.int32(p.group))
   hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
@@ -456,7 +451,7 @@ def dq_halves_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, s
   bq, bkv = p.shape.block_q, p.shape.block_kv
   bi = lax.axis_index("batch")
   h = lax.axis_index("heads")
-  tile = lax.axis_index("q_tiles")
+  tile = launched_q_tile(p.spec, p.spec_padded.seq_len // bq)
   wg = lax.axis_index("wg")
   kv_head = lax.div(h, jnp.int32(p.group))
   q_start = tile * bq

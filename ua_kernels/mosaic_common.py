@@ -228,6 +228,18 @@ def own_tiles(tiles: Tiles, program_lo, program_hi) -> Tiles:
   return Tiles((*bounds, hi), tiles.masks)
 
 
+def launched_q_tile(spec: StaticSpec, q_tiles: int):
+  """The query tile of this program (grid axis "q_tiles" of ``q_tiles``),
+  the last first under a causal mask. The last tiles see the most keys;
+  launched first, they no longer run alone at the end of the grid while the
+  other multiprocessors idle (tokamax's sm90 forward orders its causal tiles
+  the same way; docs/BENCHMARKS.md, "The causal launch order")."""
+  tile = lax.axis_index("q_tiles")
+  if spec.causal:
+    return jnp.int32(q_tiles - 1) - tile
+  return tile
+
+
 def program_tiles(tiles: Tiles):
   """(lo, hi) of a program's tile range, hi >= lo."""
   return tiles.lo, jnp.maximum(tiles.hi, tiles.lo)

@@ -56,8 +56,8 @@ from jax.experimental import pallas as pl
 from ua_reference.contract import StaticSpec
 
 from . import fast_math, mosaic_common
-from .mosaic_common import (RingCopy, load_vector, own_tiles, program_spans, program_tiles,
-                            ring_slot, tile_logits)
+from .mosaic_common import (RingCopy, launched_q_tile, load_vector, own_tiles, program_spans,
+                            program_tiles, ring_slot, tile_logits)
 from .kernel_config import MosaicTiles
 from .padding import pad
 from .segment_spans import tile_ranges
@@ -198,7 +198,7 @@ def _work(p: ForwardParams, spans_ref, wg):
   position."""
   if not p.programs:
     item = _item(p, spans_ref, lax.axis_index("batch"), lax.axis_index("heads"),
-                 lax.axis_index("q_tiles"), wg)
+                 launched_q_tile(p.spec, p.q_tiles), wg)
     return 1, lambda i: item
   program = lax.axis_index("programs")
   count = lax.div(jnp.int32(p.items + p.programs - 1) - program, jnp.int32(p.programs))
