@@ -378,9 +378,9 @@ def rescaled(term, exponent, to_exponent):
   """A term whose rows are in matmul_operand's scale 2^exponent, brought to
   the scale 2^to_exponent. Two exponents of matmul_operand (in [-113, 63] for
   finite ds) lie up to 176 apart, past float32's normal powers of two,
-  2^+-126: the step is applied as two factors of at most 2^+-88, which is
-  exact where one factor clipped to 2^+-126 mis-scaled the row by up to 2^50
-  (docs/DEFECTS.md, F16)."""
+  2^+-126: the step is applied as two factors of at most 2^+-88, exact for
+  every pair (one factor clipped to 2^+-126 would mis-scale a row by up to
+  2^50; docs/DEFECTS.md, F16)."""
   step = to_exponent - exponent
   half = lax.shift_right_arithmetic(step, jnp.int32(1))
   return along_rows(power_of_two(step - half), term) * (along_rows(power_of_two(half), term)
