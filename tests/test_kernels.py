@@ -475,8 +475,8 @@ def test_keys_by_queries_tiles_are_the_transpose(dtype, options, with_temperatur
     ds_t = tile_math.logits_grad(spec, p_t, dp.T, delta, logits_t, temp, fast_cap)
     np.testing.assert_array_equal(np.asarray(ds_t), np.asarray(ds).T)
     # dk's operand: per key, a column of ds (axis 0) or a row of dsT (axis 1).
-    operand, exponent = tile_math.matmul_operand(ds, dtype, axis=0, scale=spec.sm_scale)
-    operand_t, exponent_t = tile_math.matmul_operand(ds_t, dtype, axis=1, scale=spec.sm_scale)
+    operand, exponent = tile_math.matmul_operand(ds, dtype, axis=0)
+    operand_t, exponent_t = tile_math.matmul_operand(ds_t, dtype, axis=1)
     np.testing.assert_array_equal(np.asarray(operand_t, np.float32),
                                   np.asarray(operand, np.float32).T)
     assert (exponent is None) == (exponent_t is None) == (dtype == jnp.bfloat16)
@@ -515,32 +515,6 @@ def test_float16_ds_slices_are_scaled_exactly_into_the_normal_range():
                                 2.0 ** np.arange(-126, 128))
   bf16, none = tile_math.matmul_operand(ds, jnp.bfloat16, axis=1)
   assert none is None and bf16.dtype == jnp.bfloat16
-
-
-@pytest.mark.parametrize("scale", [0.125, 1 / np.sqrt(80), -0.3, 1.0, 3e3, 2.0 ** -20, 2.0 ** 30])
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_the_softmax_scale_folded_into_the_operand_changes_no_bit(scale, dtype):
-  """matmul_operand's ``scale`` (sm_scale, folded into float16's power of two
-  where it lies in [2^-12, 2^12]) gives the operand and exponent of ds
-  multiplied by the scale first, bit for bit, from slices of every magnitude
-  where ds * scale is finite (zeros, float32 subnormals, past float16's
-  range) and with dithered bits."""
-  from ua_kernels import tile_math
-  rng = np.random.default_rng(7)
-  magnitudes = 2.0 ** np.array([-140, -100, -60, -30, -14, 0, 14, 15, 40, 80, 95])
-  ds = rng.normal(size=(len(magnitudes) + 1, 64)) * np.r_[magnitudes, 0.0][:, None]
-  ds[:, ::7] *= 2.0 ** -30  # small elements beside each slice's largest
-  ds = jnp.asarray(ds, jnp.float32)
-  bits = jnp.asarray(rng.integers(-2 ** 31, 2 ** 31, size=ds.shape), jnp.int32)
-  for axis, b in ((1, None), (1, bits), (0, bits.T)):
-    x = ds if axis == 1 else ds.T
-    folded = tile_math.matmul_operand(x, dtype, axis=axis, bits=b, scale=scale)
-    first = tile_math.matmul_operand(x * np.float32(scale), dtype, axis=axis, bits=b)
-    np.testing.assert_array_equal(np.asarray(folded[0], np.float32),
-                                  np.asarray(first[0], np.float32))
-    assert (folded[1] is None) == (first[1] is None)
-    if first[1] is not None:
-      np.testing.assert_array_equal(np.asarray(folded[1]), np.asarray(first[1]))
 
 
 def test_rows_are_rescaled_exactly_between_any_two_float16_operand_scales():

@@ -374,8 +374,7 @@ def _dq_step(p: BackwardParams, ring: _KeyRing, q_own, do_own, part, seg_ref, bi
   ds = logits_grad(p.spec, probs, dp, delta_q, logits, temp_q, p.fast_cap)
   bits = (dither_bits(*position_tiles(ds.shape, q_start, kb * shape.block_kv, 0), 1)
           if unbiased_roundings(p.spec, shape.dtype)[1] else None)
-  ds16, exponent = matmul_operand(ds, shape.dtype, axis=1, bits=bits,
-                                  scale=p.spec.sm_scale)
+  ds16, exponent = matmul_operand(ds, shape.dtype, axis=1, bits=bits)
   dq = _accumulate(dq, ds16, _ring_columns(ring.k_smem, s, part, shape.half), exponent)
   plgpu.barrier_arrive(ring.kv_free.at[s])
   return dq
@@ -546,8 +545,7 @@ def _dkv_step(p: BackwardParams, ring: _QueryRing, k_own, v_own, part, seg_ref, 
                    _ring_columns(ring.do_smem, s, part, shape.half), None)
   ds_t = logits_grad(p.spec, p_t, dp_t, delta_q, logits, temp_q, p.fast_cap)
   ds16, exponent = matmul_operand(ds_t, shape.dtype, axis=1,
-                                  bits=dither_bits(*grid, 1) if unbiased_ds else None,
-                                  scale=p.spec.sm_scale)
+                                  bits=dither_bits(*grid, 1) if unbiased_ds else None)
   dk = _accumulate(dk, ds16, _ring_columns(ring.q_smem, s, part, shape.half), exponent)
   plgpu.barrier_arrive(ring.q_free.at[s])
   return dk, dv

@@ -241,13 +241,11 @@ def probabilities(logits: Logits, lse2, lse2_low=None):
 
 
 def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: bool):
-  """d loss / d scaled over sm_scale, from dp = dO @ V^T and delta =
-  rowsum(dO*O) - dlse - w*lse.
+  """d loss / d scaled, from dp = dO @ V^T and delta = rowsum(dO*O) - dlse - w*lse.
 
   Softmax: dlogits = p * (dp - delta). Chain back through temperature and the
-  cap's hand-written derivative. sm_scale is left to matmul_operand (its
-  ``scale``), which folds it into float16's range scaling: one multiply per
-  element, not two.
+  cap's hand-written derivative; sm_scale is applied here too, so callers only
+  multiply by K (for dq) or Q (for dk).
   """
   ds = p * (dp - along_queries(delta, p, logits.query_axis))
   if temp is not None:
@@ -255,15 +253,13 @@ def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: 
   if spec.cap_method != "none":
     _, cap_grad = forms(spec.cap, fast_cap)
     ds = ds * cap_grad(logits.cap_arg, *logits.cap_params)
-  return ds
+  return ds * spec.sm_scale
 
 
 # float16's largest finite value is 65504 = 2^16 - 2^5: a ds slice's largest |ds| is
 # scaled into [2^14, 2^15), up by a factor of at most 2^63.
 _FLOAT16_TOP = 15
 _MAX_SCALE_UP = 63
-# The softmax scales that matmul_operand folds into float16's power of two.
-_FOLDED_SCALES = (2.0 ** -12, 2.0 ** 12)
 
 
 # The R2 lattice's multipliers as 32-bit fractions (0xC13FA9A9, 0x91E10DA5, i.e.
@@ -340,11 +336,9 @@ def range_scaled(dtype) -> bool:
   return jnp.dtype(dtype) == jnp.dtype(jnp.float16)
 
 
-def matmul_operand(ds, dtype, axis: int, bits=None, scale: float = 1.0):
-  """(ds * ``scale`` in the matmul dtype ``dtype``; None, or for float16 the
-  int32 exponent e of each slice along ``axis``, the operand being
-  ds * scale * 2^e). ``scale`` is the static sm_scale that logits_grad leaves
-  out.
+def matmul_operand(ds, dtype, axis: int, bits=None):
+  """(ds in the matmul dtype ``dtype``; None, or for float16 the int32
+  exponent e of each slice along ``axis``, the operand being ds * 2^e).
 
   The gradient tiles ds = p * (dp - delta) * temperature * sm_scale feed the
   16-bit tensor cores. bfloat16 has float32's range; float16 ends at 65504,
@@ -360,33 +354,17 @@ def matmul_operand(ds, dtype, axis: int, bits=None, scale: float = 1.0):
   2^-49 stays below; a slice of zeros, or of float32 subnormals, is left as it
   is), read off that largest value's exponent bits, and the caller scales
   that row of the product back (scaled_back). ``bits`` (dither_bits): rounded
-  without bias (unbiased_roundings).
-
-  The scale and the power of two are one factor per slice, so each element is
-  multiplied once. Rounding commutes with a power of two, so the operand is
-  the one of multiplying by the scale first wherever ds * scale is finite (a
-  slice's largest |ds * scale| is its largest |ds| times |scale|, rounded
-  once; elements that differ lie below float32's normal range, 2^-126, and
-  round to float16's zero either way); a scale outside [2^-12, 2^12], where
-  scale * 2^e could leave float32's normal range, is applied first, by a
-  multiply of its own."""
-  if not range_scaled(dtype) or not _FOLDED_SCALES[0] <= abs(scale) <= _FOLDED_SCALES[1]:
-    ds, scale = ds * scale, 1.0  # even by 1.0: it flushes float32 subnormals, as ever
+  without bias (unbiased_roundings)."""
   if not range_scaled(dtype):
     return to_operand(ds, dtype, bits), None
   big = jnp.max(jnp.abs(ds), axis=axis)
-  if scale != 1.0:
-    big = big * abs(scale)
   # big lies in [2^(b - 127), 2^(b - 126)) for its biased exponent b (0: zero or
   # subnormal), so 2^(127 + 14 - b) brings it into [2^14, 2^15).
   biased = lax.shift_right_logical(lax.bitcast_convert_type(big, jnp.int32), jnp.int32(23))
   exponent = jnp.where(biased == 0, jnp.int32(0),
                        jnp.minimum(jnp.int32(127 + _FLOAT16_TOP - 1) - biased,
                                    jnp.int32(_MAX_SCALE_UP)))
-  factor = power_of_two(exponent)
-  if scale != 1.0:
-    factor = factor * scale
-  scaled = ds * lax.broadcast_in_dim(factor, ds.shape, (1 - axis,))
+  scaled = ds * lax.broadcast_in_dim(power_of_two(exponent), ds.shape, (1 - axis,))
   return to_operand(scaled, dtype, bits), exponent
 
 
