@@ -31,7 +31,7 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 # (label, B, T, Hq, Hkv, D, causal, tanh cap or 0, z-loss weight): the headline
 # shape, plain, causal, capped (the cap is where a change to the softmax step
 # shows most) and with a z-loss (which changes the backward's rounding of ds);
-# causal at T = 16k, where a query tile's work spans 1 to 64 key tiles (the
+# causal at T = 16k, where a query tile's work spans 1 to 128 key tiles (the
 # grid's order shows most).
 CASES = (
     ("full", 4, 4096, 16, 16, 128, False, 0.0, 0.0),

@@ -195,7 +195,8 @@ def _work(p: ForwardParams, spans_ref, wg):
   item. Persistent programs take items program, program + programs, ... in
   the order q tiles, heads, batch (the programs at work at once share a head's
   keys and values in L2); otherwise the program's one item is its grid
-  position."""
+  position, its query tile launched_q_tile's (the last first under a causal
+  mask)."""
   if not p.programs:
     item = _item(p, spans_ref, lax.axis_index("batch"), lax.axis_index("heads"),
                  launched_q_tile(p.spec, p.q_tiles), wg)
