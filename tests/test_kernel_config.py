@@ -156,17 +156,20 @@ def test_unset_fields_are_none_and_validated_when_set():
     MosaicTiles(stages=True)
 
 
-def test_the_forward_is_persistent_for_items_of_equal_work_up_to_the_measured_length():
+def test_the_forward_is_persistent_without_a_band_up_to_the_measured_length():
   """Persistent programs deal items round-robin, which idles multiprocessors
-  where items differ in work (causal, window, packed documents); at 16k keys
-  per-item grids were as fast (docs/BENCHMARKS.md)."""
+  where the items' work follows the query tile (causal, window); packed
+  documents gained from it, and at 16k keys per-item grids were as fast
+  (docs/BENCHMARKS.md)."""
   bf16 = jnp.bfloat16
   longest = PERSISTENT_MAX_SEQ_LEN
+  ids = jnp.zeros((1, 1024), jnp.int32)
   assert mosaic_tiles(_spec(128, bf16, {}, t=longest), bf16).persistent is True
   assert mosaic_tiles(_spec(256, bf16, {}, t=1024), bf16).persistent is True
+  assert mosaic_tiles(_spec(128, bf16, dict(segment_ids=ids), t=1024), bf16).persistent is True
   assert mosaic_tiles(_spec(128, bf16, {}, t=longest + 1), bf16).persistent is False
-  ids = jnp.zeros((1, 1024), jnp.int32)
-  for options in (dict(causal=True), dict(window_len=64), dict(segment_ids=ids)):
+  for options in (dict(causal=True), dict(window_len=64),
+                  dict(segment_ids=ids, causal=True), dict(segment_ids=ids, window_len=64)):
     assert mosaic_tiles(_spec(128, bf16, options, t=1024), bf16).persistent is False, options
 
 

@@ -18,7 +18,7 @@ import pytest
 
 import ua_kernels
 from ua_kernels import KernelConfig, MosaicTiles
-from ua_kernels import mosaic_backward
+from ua_kernels import mosaic_backward, mosaic_common
 from ua_kernels.attention import _is_hopper, backward_backend, forward_backend
 from ua_kernels.tuned_configs import effective_config
 from ua_reference.contract import validate
@@ -246,6 +246,38 @@ def test_mosaic_forward_matches_triton_forward(shape_class):
   logits and softmax in another kernel: out within a few 16-bit roundings, lse
   within float32 rounding of the logits."""
   (q, k, v), inputs, options = _gpu_inputs(shape_class)
+  run = lambda backend: ua_kernels.attention(q, k, v, return_lse=True,
+                                             config=KernelConfig(backend=backend),
+                                             **options, **inputs)
+  (out_m, lse_m), (out_t, lse_t) = run("mosaic"), run("triton")
+  eps = float(jnp.finfo(q.dtype).eps)
+  np.testing.assert_allclose(np.asarray(out_m, np.float32), np.asarray(out_t, np.float32),
+                             atol=4 * eps * float(jnp.max(jnp.abs(v))), rtol=0)
+  np.testing.assert_allclose(np.asarray(lse_m), np.asarray(lse_t), rtol=1e-5, atol=1e-5)
+
+
+# Packed documents without a band run the persistent forward (tuned_configs.mosaic_tiles):
+# documents of about T/3 and alternating runs of 128, dealt to 5 programs (several items each,
+# not all as many) and to the GPU's own count (512 items).
+PACKED_PERSISTENT_CLASSES = [
+    (3, 300, 2, 1, 64, jnp.bfloat16, dict(segment_ids=True), 5),
+    (1, 512, 3, 3, 128, jnp.float16, dict(segment_ids=128, temperature=True), 5),
+    (4, 1024, 16, 2, 128, jnp.bfloat16, dict(segment_ids=True), None),
+]
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
+@pytest.mark.parametrize("shape_class", PACKED_PERSISTENT_CLASSES,
+                         ids=lambda c: f"B{c[0]}-T{c[1]}-D{c[4]}-programs{c[7]}")
+def test_the_persistent_forward_over_packed_documents_matches_triton(shape_class, monkeypatch):
+  """Compiled on Hopper, the table's config (persistent) against the Triton
+  forward, as test_mosaic_forward_matches_triton_forward does."""
+  *shape_class, programs = shape_class
+  if programs is not None:
+    monkeypatch.setattr(mosaic_common, "multiprocessors", lambda: programs)
+  (q, k, v), inputs, options = _gpu_inputs(tuple(shape_class))
+  spec = validate(q, k, v, **options, **inputs)[0]
+  assert effective_config(spec, q.dtype).mosaic.persistent
   run = lambda backend: ua_kernels.attention(q, k, v, return_lse=True,
                                              config=KernelConfig(backend=backend),
                                              **options, **inputs)

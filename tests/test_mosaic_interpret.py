@@ -150,13 +150,14 @@ def test_a_program_of_padding_keys_matches_triton(interpreter_gaps):
 # patched to 4): the K/V ring runs on from one item into the next at every
 # offset of its slots, the next item's Q is loaded during an item's epilogue,
 # through O's own buffer (head dim 64) or Q's (256, whose O does not fit
-# beside it); causal and packed documents (which the table runs one program
-# per item) give the items unequal ranges, with drained tiles.
+# beside it); causal masks (which the table runs one program per item) and
+# packed documents give the items unequal ranges, with drained tiles.
 PERSISTENT_CLASSES = [
     (2, 384, 3, 3, 64, jnp.bfloat16, {}),
     (1, 300, 3, 1, 256, jnp.float16, dict(cap_method="tanh", cap_params=(5.0,))),
     (1, 384, 2, 2, 128, jnp.bfloat16, dict(causal=True)),
     (3, 300, 2, 1, 64, jnp.bfloat16, dict(segment_ids=True, causal=True)),
+    (3, 300, 2, 1, 64, jnp.bfloat16, dict(segment_ids=True)),
 ]
 
 

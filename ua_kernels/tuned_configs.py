@@ -62,20 +62,23 @@ def mosaic_tiles(spec: StaticSpec, dtype) -> MosaicTiles:
   """Every MosaicTiles field of the table: forward key tiles of 128 up to head
   dim 128, else 64 (two stages of K and V at head dim 256 fit the shared memory
   only so); 128-key dq tiles beat 64 by up to 1% at head dim 128. The forward
-  is persistent where every work item has the same key tiles (no causal mask,
-  window or segment ids; items of unequal work, dealt round-robin, would
-  leave multiprocessors idle at the end) and up to PERSISTENT_MAX_SEQ_LEN
+  is persistent without a causal mask or a window, up to PERSISTENT_MAX_SEQ_LEN
   keys: what it saves is one prologue and epilogue per item, which matters
-  where items are short (docs/BENCHMARKS.md, "The persistent forward").
+  where items are short (docs/BENCHMARKS.md, "The persistent forward"). Under
+  a causal mask or a window the items' work follows the query tile, and dealt
+  round-robin they leave multiprocessors idle at the end; packed documents'
+  items, whose work follows the documents, gained from it even where one row
+  is one document and the others 32 short ones (docs/BENCHMARKS.md, "Packed
+  documents at HEAD").
   Above head dim 64 the forward overlaps each tile's softmax with the
   previous tile's P @ V, which gained at head dims 128 and 256 and lost at 64
   (docs/BENCHMARKS.md, "The overlapped forward")."""
   del dtype  # measured in bfloat16; float16 has the same bytes
-  even_work = not (spec.causal or spec.window_len or spec.has_segment_ids)
+  banded = spec.causal or bool(spec.window_len)
   return MosaicTiles(block_q=64, block_kv=128 if spec.head_dim <= 128 else 64, stages=2,
                      block_q_dq=64, block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                      stages_bwd=2,
-                     persistent=even_work and spec.seq_len <= PERSISTENT_MAX_SEQ_LEN,
+                     persistent=not banded and spec.seq_len <= PERSISTENT_MAX_SEQ_LEN,
                      overlap_softmax=spec.head_dim > 64)
 
 
