@@ -69,7 +69,7 @@ def mosaic_tiles(spec: StaticSpec, dtype) -> MosaicTiles:
   round-robin they leave multiprocessors idle at the end; packed documents'
   items, whose work follows the documents, gained from it even where one row
   is one document and the others 32 short ones (docs/BENCHMARKS.md, "Packed
-  documents at HEAD").
+  documents: the persistent forward").
   Above head dim 64 the forward overlaps each tile's softmax with the
   previous tile's P @ V, which gained at head dims 128 and 256 and lost at 64
   (docs/BENCHMARKS.md, "The overlapped forward")."""
