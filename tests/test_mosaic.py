@@ -258,10 +258,12 @@ def test_mosaic_forward_matches_triton_forward(shape_class):
 
 # Packed documents without a band run the persistent forward (tuned_configs.mosaic_tiles):
 # documents of about T/3 and alternating runs of 128, dealt to 5 programs (several items each,
-# not all as many) and to the GPU's own count (512 items).
+# not all as many) and to the GPU's own count (512 items); at head dim 256 O leaves through
+# Q's buffer.
 PACKED_PERSISTENT_CLASSES = [
     (3, 300, 2, 1, 64, jnp.bfloat16, dict(segment_ids=True), 5),
     (1, 512, 3, 3, 128, jnp.float16, dict(segment_ids=128, temperature=True), 5),
+    (1, 300, 4, 2, 256, jnp.bfloat16, dict(segment_ids=True, temperature=True), 5),
     (4, 1024, 16, 2, 128, jnp.bfloat16, dict(segment_ids=True), None),
 ]
 
@@ -273,8 +275,11 @@ def test_the_persistent_forward_over_packed_documents_matches_triton(shape_class
   """Compiled on Hopper, the table's config (persistent) against the Triton
   forward, as test_mosaic_forward_matches_triton_forward does."""
   *shape_class, programs = shape_class
+  asked = []
   if programs is not None:
-    monkeypatch.setattr(mosaic_common, "multiprocessors", lambda: programs)
+    monkeypatch.setattr(mosaic_common, "multiprocessors", lambda: asked.append(1) or programs)
+  # A call traced before with the same shapes would reuse its program count.
+  jax.clear_caches()
   (q, k, v), inputs, options = _gpu_inputs(tuple(shape_class))
   spec = validate(q, k, v, **options, **inputs)[0]
   assert effective_config(spec, q.dtype).mosaic.persistent
@@ -282,6 +287,8 @@ def test_the_persistent_forward_over_packed_documents_matches_triton(shape_class
                                              config=KernelConfig(backend=backend),
                                              **options, **inputs)
   (out_m, lse_m), (out_t, lse_t) = run("mosaic"), run("triton")
+  jax.clear_caches()  # no later test reuses the patched program count
+  assert programs is None or asked, "the forward did not ask for its program count"
   eps = float(jnp.finfo(q.dtype).eps)
   np.testing.assert_allclose(np.asarray(out_m, np.float32), np.asarray(out_t, np.float32),
                              atol=4 * eps * float(jnp.max(jnp.abs(v))), rtol=0)

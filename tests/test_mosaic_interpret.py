@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ua_reference
 from ua_reference.contract import validate
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -158,6 +159,7 @@ PERSISTENT_CLASSES = [
     (1, 384, 2, 2, 128, jnp.bfloat16, dict(causal=True)),
     (3, 300, 2, 1, 64, jnp.bfloat16, dict(segment_ids=True, causal=True)),
     (3, 300, 2, 1, 64, jnp.bfloat16, dict(segment_ids=True)),
+    (1, 300, 3, 1, 256, jnp.float16, dict(segment_ids=True)),
 ]
 
 
@@ -222,10 +224,31 @@ def _far_apart_tiles():
 
 
 def test_float16_rows_rescaled_across_far_apart_tiles_match_triton(interpreter_gaps):
-  _compare_inputs(*_far_apart_tiles(), MosaicTiles())
+  """The gradients against Triton's as everywhere; the output against the
+  float64 reference instead: logits near 1.3e4 carry float32 roundings of
+  about 2^-10 each, so both kernels' outputs are exact only to a few float16
+  roundings, and which neighbouring values each lands on depends on the CPU
+  (docs/TOLERANCES.md, "Outputs of logits near 1.3e4")."""
+  qkv, inputs, options = _far_apart_tiles()
+  with jax.enable_x64(True):
+    out64 = np.asarray(ua_reference.attention(*(np.asarray(x, np.float64) for x in qkv),
+                                              **{**options, **inputs}))
+  _compare_inputs(qkv, inputs, options, MosaicTiles(), out_reference=out64)
 
 
-def _compare_inputs(qkv, inputs, options, tiles, backward=True):
+def _no_worse_than(name, got, other, reference, dtype):
+  """``got`` at most one rounding of ``dtype`` at the reference's largest
+  magnitude further from ``reference`` than ``other`` is."""
+  got, other = (np.asarray(x, np.float64) for x in (got, other))
+  assert np.array_equal(np.isfinite(got), np.isfinite(reference)), f"{name}: infinities differ"
+  finite = np.isfinite(reference)
+  err, other_err = (np.max(np.abs(x[finite] - reference[finite])) for x in (got, other))
+  scale = float(np.max(np.abs(reference[finite])))
+  assert err <= other_err + float(jnp.finfo(dtype).eps) * scale, (
+      f"{name}: Mosaic error {err:.3g} against float64, Triton {other_err:.3g}")
+
+
+def _compare_inputs(qkv, inputs, options, tiles, backward=True, out_reference=None):
   q, k, v = qkv
   spec, seg, temp = validate(q, k, v, **options, **inputs)
   temp = None if temp is None else temp.astype(jnp.float32)
@@ -248,7 +271,10 @@ def _compare_inputs(qkv, inputs, options, tiles, backward=True):
                                          fast_cap=fast_cap)
     else:
       grads_m = None
-  _close("out", out_m, out, q.dtype)
+  if out_reference is None:
+    _close("out", out_m, out, q.dtype)
+  else:
+    _no_worse_than("out", out_m, out, out_reference, q.dtype)
   # A fast cap form: the Triton interpreter rounds its tanh to 11 bits (the
   # error of tanh.approx, ua_kernels.fast_math), Mosaic's interpreter does not.
   # Else four float32 roundings: the two kernels sum a row's l in other orders

@@ -161,7 +161,8 @@ def program_spans(ranges_ref, batch, program, warpgroup):
   only the hull), for tile_math's ``span`` and ``uniform``. Each a pair of
   scalars; (None, None, None) without segment ids (``ranges_ref`` None).
 
-  All eight scalars are read here, at the program's start, at once: read in
+  All eight scalars are read here, at the start of the program's work item
+  (of each item, in a persistent program), at once: read in
   two groups, the second after the query ids, they slowed the forward with
   segment ids down (docs/BENCHMARKS.md, "The contract's options at
   speed")."""

@@ -18,7 +18,8 @@ with its own previous tile's P @ V (``_overlapped_tiles``), unscheduled.
 A program owns one work item (the grid is heads x q tiles x batch) or, with
 MosaicTiles.persistent, is one of a multiprocessor count of programs that take
 items in turn (``_work``), as tokamax's sm90 forward does where items are of
-equal work: the ring's slots run on across items, so the next item's first
+equal work (the tuned table runs it wherever there is no causal mask or window,
+packed documents included: tuned_configs.mosaic_tiles): the ring's slots run on across items, so the next item's first
 K/V tiles load while this one ends, and its Q copy is issued as soon as this
 item's last product has read Q's buffer, before O is written out (through O's
 own buffer where the shared memory holds one, else through Q's, after which Q
