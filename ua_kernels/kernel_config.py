@@ -108,8 +108,8 @@ class KernelConfig:
   ``backend`` picks the forward's kernels and no tiles: "auto" takes Mosaic
   GPU (tiles in ``mosaic``) on Hopper for what it supports
   (ua_kernels.mosaic_forward; attention.forward_backend), and Pallas-Triton
-  elsewhere; "triton" and
-  "mosaic" force one (forcing Mosaic for a call it cannot run is an error).
+  elsewhere; "triton" and "mosaic" force one (forcing Mosaic for a call it
+  cannot run is an error).
   The backward runs on the forward's backend where that backend's backward
   supports the call (ua_kernels.mosaic_backward), else on Pallas-Triton.
   """

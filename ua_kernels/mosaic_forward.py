@@ -19,11 +19,11 @@ A program owns one work item (the grid is heads x q tiles x batch) or, with
 MosaicTiles.persistent, is one of a multiprocessor count of programs that take
 items in turn (``_work``), as tokamax's sm90 forward does where items are of
 equal work (the tuned table runs it wherever there is no causal mask or window,
-packed documents included: tuned_configs.mosaic_tiles): the ring's slots run on across items, so the next item's first
-K/V tiles load while this one ends, and its Q copy is issued as soon as this
-item's last product has read Q's buffer, before O is written out (through O's
-own buffer where the shared memory holds one, else through Q's, after which Q
-is copied). What it gained: docs/BENCHMARKS.md.
+packed documents included: tuned_configs.mosaic_tiles): the ring's slots run
+on across items, so the next item's first K/V tiles load while this one ends,
+and its Q copy is issued as soon as this item's last product has read Q's
+buffer, before O is written out (through O's own buffer where the shared memory
+holds one, else through Q's, after which Q is copied). What it gained: docs/BENCHMARKS.md.
 
 Every masking and capping rule comes from tile_math, as in the Triton kernels:
 the logits are tile_math.scores_to_logits of the wgmma's scores, the mask is
