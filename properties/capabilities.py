@@ -46,6 +46,12 @@ def _all_head_dims(d: int) -> bool:
   return True
 
 
+# Head dims tried when a profile's own draw none an implementation declares: the
+# widths production kernels take (FA3, splash and cuDNN's fast paths take a few
+# of these only), so a narrow kernel still gets a full campaign.
+HEAD_DIM_LADDER = (8, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Implementation:
   """A callable under test, its name (``module:function``) and its declarations."""
@@ -61,6 +67,18 @@ class Implementation:
   cap_forms: Callable[[str], Any] | None = None
   seq_len_multiple: int = 1
   unsharded: str | None = None  # module:function of the same op on one device
+  declared_head_dims: tuple[int, ...] = ()  # ua_head_dims when a collection
+
+  def head_dim_choices(self, wanted: tuple[int, ...]) -> tuple[int, ...]:
+    """The head dims to draw where a profile wants ``wanted`` (repeats weight
+    the draw): those it declares; if none, the ones it declares among
+    HEAD_DIM_LADDER and its own collection, so that a kernel of D in
+    {128, 256} alone is drawn at its own widths, not refused."""
+    dims = tuple(d for d in wanted if self.head_dims(d))
+    if dims:
+      return dims
+    return tuple(sorted(d for d in set(HEAD_DIM_LADDER) | set(self.declared_head_dims)
+                        if self.head_dims(d)))
 
   def supports(self, case: Case) -> str | None:
     """None if the case is within the declarations, else why not."""
@@ -159,6 +177,8 @@ def declare(name: str, fn: Callable) -> Implementation:
     kwargs["dtypes"] = tuple(d for d in DTYPES if d in dtypes)
   if hasattr(fn, "ua_head_dims"):
     kwargs["head_dims"] = _head_dims(name, fn.ua_head_dims)
+    if not callable(fn.ua_head_dims):
+      kwargs["declared_head_dims"] = tuple(sorted(fn.ua_head_dims))
   if hasattr(fn, "ua_block_sizes"):
     kwargs["block_sizes"] = _block_sizes(name, fn.ua_block_sizes)
   if hasattr(fn, "ua_cap_methods"):

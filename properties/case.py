@@ -32,7 +32,7 @@ class Case:
   dtype: str
   causal: bool = False
   window_len: int = 0
-  segments: str = "none"          # none | packed | random
+  segments: str = "none"          # none | packed | random | wide (ids across int32)
   cap_method: str = "none"
   cap_params: tuple[float, ...] = ()
   temperature: str = "none"       # none | ones | uniform | signed | extreme | per_head | scalar
@@ -70,6 +70,10 @@ class Case:
     if self.cap_method != "none":
       groups.append(f"cap:{self.cap_method}")
     groups.append(f"dtype:{self.dtype}")
+    d = self.head_dim
+    groups.append("head_dim:" + ("<=64" if d <= 64 else "65-128" if d <= 128 else ">128"))
+    if self.segments != "none":
+      groups.append(f"segment_ids:{self.segments}")
     return groups
 
   def static_key(self) -> tuple:

@@ -22,6 +22,9 @@ def _values(rng, shape, distribution):
   return rng.normal(size=shape)
 
 
+INT32 = np.iinfo(np.int32)
+
+
 def _segments(rng, case: Case):
   b, t = case.batch, case.seq_len
   if case.segments == "random":
@@ -35,7 +38,31 @@ def _segments(rng, case: Case):
       ids.extend([doc] * length)
       doc += 1
     rows.append(ids[:t])
-  return np.asarray(rows, np.int32)
+  rows = np.asarray(rows, np.int64)
+  if case.segments == "wide":
+    rows = np.stack([_wide_ids(rng, row, i) for i, row in enumerate(rows)])
+  return rows.astype(np.int32)
+
+
+def _wide_ids(rng, labels, row: int):
+  """Document labels 0, 1, ... of one row as ids across the int32 range: by
+  row, the largest ids counting down or the most negative counting up, 256
+  apart (ids narrowed to 8 bits all collide), or sparse random ones; and every
+  fourth document takes the id of the one two before it, so equal ids meet in
+  documents apart (the contract compares ids, not runs)."""
+  n = int(labels.max()) + 1
+  kind = (row + int(rng.integers(3))) % 3
+  k = np.arange(n, dtype=np.int64)
+  if kind == 0:
+    values = INT32.max - 256 * k
+  elif kind == 1:
+    values = INT32.min + 256 * k
+  else:
+    step = (2 ** 32 - 1) // n  # distinct ids spread over the whole range
+    values = INT32.min + rng.permutation(n) * step + rng.integers(0, step, n)
+  for d in range(3, n, 4):
+    values[d] = values[d - 2]
+  return values[labels]
 
 
 def _temperature(rng, case: Case):

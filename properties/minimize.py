@@ -220,6 +220,8 @@ SWITCHES = (
     _switch("sm_scale default", lambda c: c.sm_scale is not None, dict(sm_scale=None)),
     _switch("z-loss off", lambda c: c.z_loss_weight != 0, dict(z_loss_weight=0.0)),
     _switch("lse off", lambda c: c.return_lse, dict(return_lse=False)),
+    _switch("segment ids wide -> packed", lambda c: c.segments == "wide",
+            dict(segments="packed")),
     _switch("segment ids random -> packed", lambda c: c.segments == "random",
             dict(segments="packed")),
     _switch("temperature -> uniform", lambda c: c.temperature in ("extreme", "signed"),

@@ -177,6 +177,7 @@ class _State:
   deadline: float | None
   started: float
   records: list = dataclasses.field(default_factory=list)
+  skipped: list = dataclasses.field(default_factory=list)  # the skips' reasons
   suite_ran: bool = False  # a test of the suite reported in this session
   first_round_started: int = 0  # first-round tests (chunk 0) begun in this process
   # Seconds of the first seed of each configuration this process began
@@ -376,7 +377,7 @@ class Suite:
     from hypothesis import given, settings
 
     from .registry import get
-    from .strategies import cases
+    from .strategies import cases, undrawable
     from .verifier import Verifier
 
     state = self.config.stash[_STATE]
@@ -394,6 +395,9 @@ class Suite:
     require = prop.require | ({test.focus[len("mask-"):]} if test.focus.startswith("mask-")
                               else set())
     cap = test.focus[len("cap-"):] if test.focus.startswith("cap-") else None
+    why = undrawable(buckets, impl, require, prop.forbid, prop.any_of, cap)
+    if why:
+      pytest.skip(why)
     # A mask's focused test draws lengths past two tiles: its tile-range
     # bounds (a window's first key tile, the causal diagonal's) have tiles to
     # drop there, and a test of one example per dtype must not leave that to
@@ -542,7 +546,7 @@ def _long(buckets, impl):
   """The buckets of tests on long sequences: the profile's long lengths
   (no tile edges) and its large head dims that ``impl`` declares (its own
   head dims if it declares none of them)."""
-  dims = tuple(d for d in buckets.long_head_dims if impl.head_dims(d)) or buckets.head_dims
+  dims = impl.head_dim_choices(buckets.long_head_dims) or buckets.head_dims
   return dataclasses.replace(buckets, seq_lens=buckets.long_seq_lens or buckets.seq_lens,
                              edge_multiples=() if buckets.long_seq_lens else
                              buckets.edge_multiples, head_dims=dims)
@@ -567,6 +571,8 @@ def pytest_runtest_logreport(report):
     return
   if f"::{_TEST}[" in report.nodeid:
     _SESSION.suite_ran = True
+    if report.skipped and isinstance(report.longrepr, tuple):
+      _SESSION.skipped.append(report.longrepr[2].removeprefix("Skipped: "))
   records = [value for name, value in report.user_properties if name == _RECORD]
   if records and report.when == "call":
     _SESSION.records.extend(records)
@@ -699,6 +705,15 @@ def build_report(records: list[dict], crashed: list[dict], seconds: float,
           "records": [case_record(r, started) for r in records]}
 
 
+def skip_reasons(reasons: list[str]) -> dict[str, int]:
+  """Tests skipped, counted by reason, the time box's reasons (which name how
+  many cases ran) as one: a property that cannot be drawn under the
+  declarations says why here, and is neither an error nor a failure."""
+  counts = collections.Counter(
+      "the time box (--ua-minutes) ended it" if "time box" in r else r for r in reasons)
+  return dict(counts.most_common())
+
+
 def timeline(records: list[dict], seconds: float, started: float | None) -> dict:
   """Where a campaign's wall seconds went besides its cases: how long its
   workers took to start their first case, when the last case started, and the
@@ -744,6 +759,7 @@ def pytest_sessionfinish(session):
   if not state.records and not crashed:
     return
   report = build_report(state.records, crashed, time.time() - state.started, state.started)
+  report["skipped"] = skip_reasons(state.skipped)
   from . import profiles
   report.update(impl=config.getoption("impl"), profile=profiles.active().name,
                 host=socket.gethostname(), commit=_commit(), command=" ".join(sys.argv),
@@ -842,6 +858,8 @@ def write_report(write, report: dict) -> None:
     write(f"case time: {report['compile_seconds']:.1f} s compiling ({report['compiled']} "
           f"compilations{'' if hits is None else f', {hits} from the persistent cache'}), "
           f"{report['run_seconds']:.1f} s running\n")
+  for reason, count in report.get("skipped", {}).items():
+    write(f"skipped: {count} test{'s' if count > 1 else ''}: {reason}\n")
   from .gates import summary_lines
   for line in summary_lines(report):
     write(line + "\n")

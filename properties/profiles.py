@@ -43,12 +43,12 @@ BUCKETS = {
     # Primes, block multiples and +-1 around them; MHA, GQA 2/4/8 and MQA. The
     # default tiles (None) are drawn one time in eight, at their own edges.
     "ci": Buckets(seq_lens=(1, 2, 7, 16, 17, 31, 33, 48, 64, 97),
-                  head_dims=(16, 24, 32, 40, 64),
+                  head_dims=(16, 24, 32, 40, 64, 192),
                   heads=((1, 1), (2, 2), (2, 1), (4, 2), (4, 1), (8, 1), (8, 4)),
                   batches=(1, 2), tiles=_SMALL_TILES * 2 + (None, (16, 16)),
                   max_seq_len=400, long_seq=129, long_seq_lens=(257, 300, 1025)),
     "dev": Buckets(seq_lens=(1, 3, 16, 31, 33, 64, 65, 127, 128, 129, 211, 256),
-                   head_dims=(16, 24, 32, 48, 64, 80, 128),
+                   head_dims=(16, 24, 32, 48, 64, 80, 128, 160, 256),
                    heads=((1, 1), (3, 3), (2, 1), (4, 2), (4, 1), (8, 2), (8, 1)),
                    batches=(1, 2, 3), tiles=_SMALL_TILES + ((64, 64), None),
                    edge_multiples=(1, 2, 3, 4), max_seq_len=600, long_seq=300,

@@ -72,6 +72,32 @@ def _window(draw, t: int, tiles: tuple[int, ...], rotation: int = 0) -> int:
   return draw(st.sampled_from(_rotated(sorted(values), rotation)))
 
 
+def undrawable(buckets: Buckets, impl: Implementation, require=frozenset(),
+               forbid=frozenset(), any_of=frozenset(), cap: str | None = None) -> str | None:
+  """Why no case can be drawn for these demands within ``impl``'s declarations
+  and the profile's buckets (None: cases can be): the plugin skips such a test
+  with this reason rather than fail it on the implementation's behalf."""
+  unsupported = impl.unsupported
+  missing = (set(require) | ({"cap"} if cap not in (None, "none") else set())) & unsupported
+  if missing:
+    return f"{impl.name} declares {sorted(missing)} unsupported"
+  if cap is not None and not impl.supports_cap(cap):
+    return f"{impl.name} declares cap method {cap!r} unsupported"
+  if any_of and not [f for f in any_of if f not in unsupported and f not in forbid]:
+    return f"{impl.name} supports none of {sorted(any_of)}"
+  if not [d for d in buckets.dtypes if d in impl.dtypes]:
+    return f"{impl.name} declares dtypes {impl.dtypes}, none of the profile's {buckets.dtypes}"
+  if not impl.head_dim_choices(buckets.head_dims):
+    return (f"{impl.name} declares none of the head dims {sorted(set(buckets.head_dims))} "
+            f"nor any of properties.capabilities.HEAD_DIM_LADDER")
+  pairs = [p for p in buckets.heads if
+           ("gqa" not in require or p[0] != p[1]) and
+           ("gqa" not in unsupported | set(forbid) or p[0] == p[1])]
+  if not pairs:
+    return "the profile's head counts leave none for the features asked"
+  return None
+
+
 @st.composite
 def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
           forbid=frozenset(), any_of=frozenset(), cap: str | None = None,
@@ -86,16 +112,12 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
   chunk with the same configuration (docs/VERIFICATION.md, "Case mix").
   ``multi_tile``: lengths at tile edges past two tiles (_seq_len).
   """
+  why = undrawable(buckets, impl, require, forbid, any_of, cap)
+  if why:
+    raise ValueError(why)
   unsupported = impl.unsupported
-  missing = (set(require) | ({"cap"} if cap not in (None, "none") else set())) & unsupported
-  if missing:
-    raise ValueError(f"{impl.name} declares {sorted(missing)} unsupported")
-  if cap is not None and not impl.supports_cap(cap):
-    raise ValueError(f"{impl.name} declares cap method {cap!r} unsupported")
   allowed = lambda f: f not in unsupported and f not in forbid
   choosable = sorted(f for f in any_of if allowed(f))
-  if any_of and not choosable:
-    raise ValueError(f"{impl.name} supports none of {sorted(any_of)}")
   forced = set(require) | ({_pick(draw, choosable, 'feature', rotation)} if choosable
                            else set())
 
@@ -105,10 +127,7 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
     return _boolean(draw, rotation, feature) if allowed(feature) else False
 
   dtypes = [d for d in buckets.dtypes if d in impl.dtypes]
-  dims = [d for d in buckets.head_dims if impl.head_dims(d)]
-  if not dtypes or not dims:
-    raise ValueError(f"{impl.name} supports none of the profile's "
-                     f"{'dtypes' if not dtypes else 'head dims'}")
+  dims = list(impl.head_dim_choices(buckets.head_dims))
   tile_choices = buckets.tiles if impl.config is not None else (None,)
   pair = _pick(draw, tile_choices, 'tiles', rotation)
   tiles = impl.block_sizes if pair is None else tuple(sorted(set(pair)))
@@ -132,7 +151,8 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
   window = _window(draw, t, tiles, rotation) if flag("window") else 0
   segments = "none"
   if flag("segment_ids"):
-    segments = "packed" if "segment_ids" in require else choose(["packed", "packed", "random"])
+    segments = choose(["packed", "wide"] if "segment_ids" in require
+                      else ["packed", "packed", "random", "wide"])
   temperature = "none"
   if flag("temperature"):
     temperature = choose(["uniform", "extreme", "per_head", "scalar", "ones", "signed"])

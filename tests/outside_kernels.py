@@ -127,3 +127,143 @@ def toward_zero_reference_attention(q, k, v, **kwargs):
   if q.dtype != jnp.bfloat16:
     return ua_reference.attention(q, k, v, **kwargs)
   return _bfloat16_out(q, k, v, kwargs, lambda b: b & jnp.uint32(0xFFFF0000))
+
+
+# --------------------------------------------------------------------------- #
+# Kernels shaped unlike ours: narrow declarations, 128-row tiles, captured arrays.
+
+BLOCK = 128
+
+
+def _blockwise(q, k, v, segment_ids, causal, window_len, cap_method, cap_params, sm_scale,
+               causal_shift=0):
+  """Online-softmax attention over 128-key tiles, T padded to them with a
+  document of its own, as a client's blockwise kernel is written;
+  ``causal_shift`` moves the causal bound (a planted off-by-one when 1)."""
+  b, t, hq, d = q.shape
+  if d not in (128, 256):
+    raise ValueError(f"head dim {d}: this kernel takes 128 or 256")
+  g = hq // k.shape[2]
+  tp = -(-t // BLOCK) * BLOCK
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))
+  seg = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  seg = jnp.concatenate([seg, jnp.full((b, tp - t), jnp.iinfo(jnp.int32).min, jnp.int32)], 1)
+  real = jnp.arange(tp) < t
+  qf = pad(q).astype(jnp.float32) * (d ** -0.5 if sm_scale is None else sm_scale)
+  kf, vf = (jnp.repeat(pad(x), g, axis=2).astype(jnp.float32) for x in (k, v))
+  i = jnp.arange(tp)[:, None]
+  m = jnp.full((b, hq, tp), -jnp.inf)
+  l = jnp.zeros((b, hq, tp))
+  acc = jnp.zeros((b, hq, tp, d))
+  for start in range(0, tp, BLOCK):
+    j = jnp.arange(start, start + BLOCK)[None, :]
+    s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf[:, start:start + BLOCK])
+    if cap_method == "tanh":
+      s = cap_params[0] * jnp.tanh(s / cap_params[0])
+    vis = (seg[:, :, None] == seg[:, None, start:start + BLOCK]) & (real[:, None] == real[None, start:start + BLOCK])
+    if causal:
+      vis = vis & (j <= i + causal_shift)
+    if window_len:
+      vis = vis & (j > i - window_len)
+    s = jnp.where(vis[:, None], s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(-1))
+    safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - safe[..., None])
+    scale = jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf))
+    l = l * scale + p.sum(-1)
+    acc = acc * scale[..., None] + jnp.einsum("bhqk,bkhd->bhqd", p, vf[:, start:start + BLOCK])
+    m = m_new
+  out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+  return jnp.transpose(out, (0, 2, 1, 3))[:, :t].astype(q.dtype)
+
+
+def narrow_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
+                     cap_method="none", cap_params=(), temperature=None, sm_scale=None,
+                     z_loss_weight=0.0, return_lse=False):
+  """A correct client kernel of narrow declarations: D 128 or 256, 128-row
+  tiles, bfloat16, no temperature, z-loss or lse, the tanh cap only."""
+  return _blockwise(q, k, v, segment_ids, causal, window_len, cap_method, cap_params,
+                    sm_scale)
+
+
+def narrow_off_by_one_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
+                                cap_method="none", cap_params=(), temperature=None,
+                                sm_scale=None, z_loss_weight=0.0, return_lse=False):
+  """narrow_attention whose causal bound lets each query see the next key."""
+  return _blockwise(q, k, v, segment_ids, causal, window_len, cap_method, cap_params,
+                    sm_scale, causal_shift=1)
+
+
+for _fn in (narrow_attention, narrow_off_by_one_attention):
+  _fn.ua_head_dims = (128, 256)
+  _fn.ua_block_sizes = (BLOCK,)
+  _fn.ua_dtypes = ("bfloat16",)
+  _fn.ua_unsupported = ("temperature", "z_loss", "lse")
+  _fn.ua_cap_methods = ("tanh",)
+
+# Device arrays captured by the callables below, as a kernel holds mask tables
+# or a model its RoPE tables: the compiled computation takes them as operands.
+_ONES = jnp.ones((4096,), jnp.float32)
+_TWO = jnp.full((3,), 2.0, jnp.float32)
+
+
+def closure_attention(q, k, v, **kwargs):
+  """The reference with q multiplied by captured ones (and a captured 2 / 2)."""
+  scale = (_ONES[:q.shape[1]] * _TWO[0] / 2.0).astype(q.dtype)
+  return ua_reference.attention(q * scale[None, :, None, None], k, v, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "window_len", "cap_method",
+                                             "cap_params", "sm_scale", "z_loss_weight",
+                                             "return_lse"))
+def _jitted(q, k, v, segment_ids, temperature, **kwargs):
+  return closure_attention(q, k, v, segment_ids=segment_ids, temperature=temperature, **kwargs)
+
+
+def inner_jit_attention(q, k, v, *, segment_ids=None, temperature=None, **kwargs):
+  """An inner jax.jit with static arguments, over the captured arrays."""
+  return _jitted(q, k, v, segment_ids, temperature, **kwargs)
+
+
+def inner_vmap_attention(q, k, v, *, segment_ids=None, temperature=None, **kwargs):
+  """The batch mapped by jax.vmap, one row at a time, over the captured arrays."""
+  b = q.shape[0]
+  temp = None if temperature is None else jnp.broadcast_to(
+      jnp.asarray(temperature, jnp.float32), (b, q.shape[1], q.shape[2]))
+
+  def row(q, k, v, seg, tmp):
+    return closure_attention(q[None], k[None], v[None],
+                             segment_ids=None if seg is None else seg[None],
+                             temperature=None if tmp is None else tmp[None], **kwargs)
+  out = jax.vmap(row)(q, k, v, segment_ids, temp)
+  squeeze = lambda x: x[:, 0]
+  return jax.tree_util.tree_map(squeeze, out)
+
+
+def custom_vjp_attention(q, k, v, **kwargs):
+  """Its own custom_vjp (the reference's VJP, recomputed), over the captured arrays."""
+  @jax.custom_vjp
+  def f(q, k, v):
+    return closure_attention(q, k, v, **kwargs)
+
+  def fwd(q, k, v):
+    return f(q, k, v), (q, k, v)
+
+  def bwd(res, ct):
+    return jax.vjp(lambda *a: closure_attention(*a, **kwargs), *res)[1](ct)
+  f.defvjp(fwd, bwd)
+  return f(q, k, v)
+
+
+def head_dim_above_128_halved_attention(q, k, v, **kwargs):
+  """The reference with q's head-dim columns above 128 at half weight."""
+  d = q.shape[-1]
+  w = jnp.where(jnp.arange(d) >= 128, 0.5, 1.0).astype(q.dtype)
+  return ua_reference.attention(q * w, k, v, **kwargs)
+
+
+def segment_ids_8_bit_attention(q, k, v, *, segment_ids=None, **kwargs):
+  """The reference with segment ids narrowed to their low 8 bits."""
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids) & 0xFF
+  return ua_reference.attention(q, k, v, segment_ids=segment_ids, **kwargs)

@@ -1,0 +1,54 @@
+"""Kernels shaped unlike ours, run through the installed suite as a client runs
+them (tests/outside_kernels.py): narrow declarations (D 128/256 only, 128-row
+tiles, bfloat16 alone) and callables that capture device arrays, jit or vmap
+inside, or carry their own custom_vjp pass; planted defects of those shapes
+fail. The tests select the properties that show each; the whole ci profile of
+each kernel ran for docs/PLUGINS.md ("Kernels shaped otherwise")."""
+
+import pytest
+
+from test_suite_plugin import run_suite
+
+
+def _problems(report):
+  return sum(r["failures"] + r["harness_errors"] for r in report["properties"].values())
+
+
+def test_a_narrow_kernel_is_drawn_at_its_own_head_dims_and_tiles(tmp_path):
+  proc, report = run_suite(tmp_path, "outside_kernels:narrow_attention", "-n", "2", "-k",
+                           "matches_oracle-bfloat16 or mask_is_exact or packed_equals")
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  assert report["cases"] >= 10 and _problems(report) == 0
+  groups = report["feature_groups"]
+  assert groups["head_dim:65-128"]["cases"] and groups["head_dim:>128"]["cases"]
+  assert "head_dim:<=64" not in groups
+  assert any(r["seq_len"] > 128 for r in report["records"])
+  # What cannot be drawn is skipped, with the declaration that rules it out.
+  assert any("declares cap method 'hard' unsupported" in r for r in report["skipped"]), \
+      report["skipped"]
+  assert "skipped: " in proc.stdout
+
+
+def test_a_narrow_kernel_with_a_causal_off_by_one_fails(tmp_path):
+  proc, report = run_suite(tmp_path, "outside_kernels:narrow_off_by_one_attention",
+                           "-k", "matches_oracle-bfloat16-mask-causal")
+  assert proc.returncode == 1
+  assert [f["status"] for f in report["failures"]] == ["failed"], report["failures"]
+
+
+@pytest.mark.parametrize("name", ["closure", "inner_jit", "inner_vmap", "custom_vjp"])
+def test_callables_over_captured_arrays_pass(name, tmp_path):
+  proc, report = run_suite(tmp_path, f"outside_kernels:{name}_attention", "-k",
+                           "matches_oracle-float32 and not cap and not mask and not long")
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  assert report["cases"] >= 10 and _problems(report) == 0
+
+
+@pytest.mark.parametrize("name, select", [
+    ("head_dim_above_128_halved", "matches_oracle-float32-cap-hard"),
+    ("segment_ids_8_bit", "matches_oracle-float32 and not cap and not mask and not long"),
+])
+def test_planted_defects_of_other_classes_fail_the_ci_profile(name, select, tmp_path):
+  proc, report = run_suite(tmp_path, f"outside_kernels:{name}_attention", "-k", select)
+  assert proc.returncode == 1
+  assert report["failures"] and report["failures"][0]["status"] == "failed"
