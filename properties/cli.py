@@ -87,7 +87,11 @@ def verify_main(argv=None) -> int:
   parser.add_argument("--profile", default="ci", choices=PROFILE_NAMES)
   parser.add_argument("--report", default="ua-report.json", help="JSON report path")
   parser.add_argument("-n", "--workers", default="auto",
-                      help="pytest-xdist workers ('0' for none); ignored with --gpus")
+                      help="pytest-xdist workers: 'auto' (the default, one per CPU core) or "
+                           "a number ('0' for none, one process); ignored with --gpus")
+  parser.add_argument("--traceback", action="store_true",
+                      help="print pytest's tracebacks of failing tests (through the suite's "
+                           "internals); by default the report's failure blocks say it all")
   parser.add_argument("--gpus", type=int, default=0,
                       help="spread the workers over this many GPUs (one group per GPU)")
   parser.add_argument("--workers-per-gpu", type=int, default=None,
@@ -171,7 +175,7 @@ def verify_main(argv=None) -> int:
                  "-W", "ignore::pytest.PytestAssertRewriteWarning",
                  f"--impl={args.impl}", f"--hypothesis-profile=ua-{args.profile}",
                  f"--ua-report={args.report}", f"--ua-failures={args.failures}",
-                 *_worker_args(args)]
+                 *_worker_args(args), *([] if args.traceback else ["--tb=no"])]
   for flag, value in (("--ua-import", args.imports), ("--ua-minutes", args.minutes),
                       ("--ua-oracle-chunks", chunks),
                       ("--ua-case-timeout", timeout), ("--ua-database", args.database),

@@ -20,8 +20,8 @@ import collections
 import json
 import math
 
-from .bias import (BIAS_ALPHA, CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, holm,
-                   output_dtype, verdicts)
+from .bias import (BIAS_ALPHA, BIAS_FLOOR_ULPS, CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES,
+                   BiasStats, holm, output_dtype, verdicts)
 
 # A group regresses only if its errors grew by this factor (geometric mean) or more.
 REGRESSION_FLOOR = 1.25
@@ -143,6 +143,13 @@ def compare_with_baseline(baseline: dict, records: list[dict]) -> dict[str, dict
 def summary_lines(report: dict) -> list[str]:
   """The terminal lines of the campaign verdicts in ``report``."""
   lines = [f"baseline: {report['baseline_note']}"] if report.get("baseline_note") else []
+  if report.get("bias"):
+    lines.append(
+        f"bias (per output/dtype, all cases pooled): the mean signed error in ulps of the "
+        f"output's dtype, + away from zero, against the float64 oracle; BIASED when the "
+        f"sign test's Holm-corrected p < {BIAS_ALPHA:g} and |mean| >= {BIAS_FLOOR_ULPS} ulp "
+        f"({CASE_BIAS_FLOOR_ULPS} under {POOLED_MIN_CASES} cases): a systematic rounding "
+        f"that training would accumulate (docs/TOLERANCES.md)")
   for name, v in report.get("bias", {}).items():
     flag = "BIASED" if v["biased"] else "ok"
     lines.append(f"bias {name:18} {flag:6} mean {v['mean_ulps']:+.4f} ulp over {v['n']} "

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 import zlib
+from typing import Any
 
 import pytest
 
@@ -163,6 +164,7 @@ def pytest_configure(config):
     deadline = None if minutes is None else time.time() + 60 * minutes
   global _SESSION
   _SESSION = config.stash[_STATE] = _State(deadline=deadline, started=time.time())
+  _SESSION.config = config
 
 
 
@@ -178,6 +180,8 @@ class _State:
   started: float
   records: list = dataclasses.field(default_factory=list)
   skipped: list = dataclasses.field(default_factory=list)  # the skips' reasons
+  config: Any = None
+  progress_at: float = 0.0  # when the last progress line was written
   suite_ran: bool = False  # a test of the suite reported in this session
   first_round_started: int = 0  # first-round tests (chunk 0) begun in this process
   # Seconds of the first seed of each configuration this process began
@@ -576,6 +580,29 @@ def pytest_runtest_logreport(report):
   records = [value for name, value in report.user_properties if name == _RECORD]
   if records and report.when == "call":
     _SESSION.records.extend(records)
+    _progress(_SESSION)
+
+
+PROGRESS_SECONDS = 60.0
+
+
+def _progress(state: "_State") -> None:
+  """A line with the cases run, their failures and the time left in the box,
+  at most once a minute, from the process that writes the report."""
+  now = time.time()
+  if state.config is None or hasattr(state.config, "workerinput") or \
+      now - max(state.progress_at, state.started) < PROGRESS_SECONDS:
+    return
+  state.progress_at = now
+  terminal = state.config.pluginmanager.get_plugin("terminalreporter")
+  if terminal is None:
+    return
+  cases = {(r["property"], r["case"]): r["status"] for r in state.records}
+  failed = sum(s != "passed" for s in cases.values())
+  left = "" if state.deadline is None else \
+      f", {max(0.0, state.deadline - now) / 60:.1f} min left in the box"
+  terminal.write_line(f"[ua] {len(cases)} cases, {failed} failing, "
+                      f"{(now - state.started) / 60:.1f} min{left}")
 
 
 def _alive(pid) -> bool:
@@ -843,8 +870,14 @@ def pytest_terminal_summary(terminalreporter, config):
   write_report(terminalreporter.write, report)
 
 
+REPORT_LEGEND = (
+    "worst err/tol: the largest error of any output over its tolerance (docs/TOLERANCES.md); "
+    "a case passes when every element is within its tolerance, err/tol <= 1.")
+
+
 def write_report(write, report: dict) -> None:
   """The report's tables, totals and failures (with their replay commands)."""
+  write(REPORT_LEGEND + "\n")
   _print_table(write, "feature group", report["feature_groups"])
   _print_table(write, "property", report["properties"])
   write(f"\n{report['cases']} cases ({report['oracle_cases']} against the oracle) in "
@@ -863,13 +896,72 @@ def write_report(write, report: dict) -> None:
   from .gates import summary_lines
   for line in summary_lines(report):
     write(line + "\n")
-  seen = set()
-  for f in report["failures"] + report["crashed"]:
-    if f["replay"] not in seen:
-      seen.add(f["replay"])
-      kind = {"harness": "harness error", "failed": "failure"}.get(f["status"], f["status"])
-      where = f" (on {f['host']})" if f.get("host") else ""
-      write(f"{kind}: {f['property']}{where}: {f['replay']}\n")
+  for line in failure_blocks(report):
+    write(line + "\n")
+
+
+def _size(failure: dict) -> int:
+  c = failure.get("config") or {}
+  return (c.get("batch", 1) * c.get("seq_len", 1) * c.get("num_q_heads", 1)
+          * c.get("head_dim", 1)) if c else 1 << 62
+
+
+def describe(config: dict) -> str:
+  """A case in one line: its shape and the options it turns on."""
+  c = config
+  parts = [f"B={c['batch']} T={c['seq_len']} H={c['num_q_heads']}/{c['num_kv_heads']} "
+           f"D={c['head_dim']} {c['dtype']}"]
+  parts += [name for name in ("causal",) if c.get("causal")]
+  if c.get("window_len"):
+    parts.append(f"window={c['window_len']}")
+  if c.get("segments", "none") != "none":
+    parts.append(f"segments={c['segments']}")
+  if c.get("cap_method", "none") != "none":
+    parts.append(f"cap={c['cap_method']}{tuple(c.get('cap_params', ()))}")
+  for key in ("temperature", "distribution"):
+    if c.get(key) not in (None, "none", "normal"):
+      parts.append(f"{key}={c[key]}")
+  if c.get("sm_scale") is not None:
+    parts.append(f"sm_scale={c['sm_scale']:.4g}")
+  if c.get("z_loss_weight"):
+    parts.append(f"z_loss={c['z_loss_weight']}")
+  if c.get("return_lse"):
+    parts.append("lse")
+  return " ".join(parts)
+
+
+def failure_blocks(report: dict) -> list[str]:
+  """One block per distinct failure (property and the outputs that failed),
+  the smallest case first: what failed, on which case, the replay and the
+  minimize commands; then one line for each further case of the same kind."""
+  failures = report["failures"] + report["crashed"]
+  if not failures:
+    return []
+  kinds = collections.defaultdict(list)
+  for f in sorted(failures, key=_size):
+    key = (f["property"], f["status"], tuple(f.get("failed_outputs") or ()))
+    if f["replay"] not in {g["replay"] for g in kinds[key]}:
+      kinds[key].append(f)
+  lines = [f"\n{len(failures)} failing cases, {len(kinds)} distinct; the smallest of each "
+           f"first (replay it with ua-repro; --minimize reduces it further):"]
+  for (prop, status, outputs), group in sorted(kinds.items(), key=lambda kv: _size(kv[1][0])):
+    first = group[0]
+    kind = {"harness": "harness error", "failed": "FAILED"}.get(status, status.upper())
+    where = f" on {first['host']}" if first.get("host") else ""
+    what = f" ({', '.join(outputs)})" if outputs else ""
+    lines.append(f"\n{kind} {prop}{what}{where}")
+    if first.get("config"):
+      lines.append(f"  case:     {describe(first['config'])}")
+    if first.get("message"):
+      lines.append("  why:      " + first["message"].strip().splitlines()[0][:200])
+    lines.append(f"  replay:   {first['replay']}")
+    lines.append(f"  minimize: {first['replay']} --minimize")
+    if len(group) > 1:
+      lines.append(f"  and {len(group) - 1} more such case{'s' if len(group) > 2 else ''}:")
+      lines += [f"    {g['replay']}" for g in group[1:6]]
+      if len(group) > 6:
+        lines.append(f"    ... ({len(group) - 6} more in the JSON report)")
+  return lines
 
 
 # --------------------------------------------------------------------------- #

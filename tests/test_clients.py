@@ -52,3 +52,27 @@ def test_planted_defects_of_other_classes_fail_the_ci_profile(name, select, tmp_
   proc, report = run_suite(tmp_path, f"outside_kernels:{name}_attention", "-k", select)
   assert proc.returncode == 1
   assert report["failures"] and report["failures"][0]["status"] == "failed"
+
+
+def test_a_clients_first_failure_reads_in_a_screen(tmp_path):
+  """ua-verify on a planted bug: no tracebacks through the suite before the
+  report, and the report's failure block names the smallest case with its
+  replay and minimize commands."""
+  import os
+  import subprocess
+  import sys
+  from test_suite_plugin import TESTS
+  env = dict(os.environ, PYTHONPATH=str(TESTS))
+  proc = subprocess.run(
+      [sys.executable, "-c",
+       "import sys; from properties.cli import verify_main; sys.exit(verify_main())", "--impl", "outside_kernels:narrow_off_by_one_attention", "-n", "0", "--",
+       "-k", "matches_oracle-bfloat16-mask-causal or mask_is_exact"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 1, proc.stdout[-3000:]
+  before, _, report = proc.stdout.partition("unified-attention verification")
+  assert len(before.splitlines()) <= 60 and "Traceback" not in before, before
+  block = report[report.index("distinct; the smallest"):].splitlines()
+  failed = [i for i, line in enumerate(block) if line.startswith("FAILED ")]
+  assert failed and block[failed[0] + 1].startswith("  case:     B=")
+  replay = block[failed[0] + 3]
+  assert replay.startswith("  replay:   ua-repro ") and block[failed[0] + 4].endswith("--minimize")
