@@ -41,3 +41,27 @@ def test_adapter_declares_what_it_lacks():
   assert cudnn.dtypes == ("bfloat16", "float16") and not cudnn.head_dims(256)
   with pytest.raises(ValueError, match="module:function"):
     load_impl("ua_kernels.attention")
+
+
+def test_the_worked_example_of_plugins_md_runs_from_its_text(tmp_path):
+  """docs/PLUGINS.md's "Bring your own kernel", pasted into an empty directory
+  and verified there by ua-verify, as a user does (the cases that show its
+  declarations at work: masks at 128-row tile edges, head dims 128/256)."""
+  import os
+  import pathlib
+  import re
+  import subprocess
+  import sys
+  doc = (pathlib.Path(__file__).parents[1] / "docs" / "PLUGINS.md").read_text()
+  source = re.search(r"<!-- example: my_attention.py -->\n```python\n(.*?)```", doc, re.S)
+  (tmp_path / "my_attention.py").write_text(source.group(1))
+  proc = subprocess.run(
+      [sys.executable, "-c",
+       "import sys; from properties.cli import verify_main; sys.exit(verify_main())",
+       "--impl", "my_attention:attention", "-n", "0", "--",
+       "-k", "matches_oracle-bfloat16-mask or mask_is_exact"],
+      cwd=tmp_path, env=dict(os.environ, PYTHONPATH="."), capture_output=True, text=True,
+      timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+  assert "PASS: my_attention:attention" in proc.stdout
+  assert "head_dim:>128" in proc.stdout and "head_dim:<=64" not in proc.stdout
