@@ -80,6 +80,28 @@ class _CheckImpl:
       raise pytest.UsageError(f"--impl {self.impl}: {type(exc).__name__}: {exc}") from exc
 
 
+def _precheck_imported_caps(parser, imports: str) -> str | None:
+  """The cap methods ``--import`` registers, checked against their own
+  declarations (derivative, bounds, homogeneity: cap_checks.precheck) before
+  any case runs: a wrong derivative is named in seconds, not read off dq/dk
+  out of tolerance."""
+  if not imports:
+    return None
+  from ua_reference.caps import CAP_METHODS
+  before = set(CAP_METHODS)
+  try:
+    import_modules(imports)
+  except Exception as exc:  # noqa: BLE001 -- a usage error
+    parser.error(f"--import {imports}: {type(exc).__name__}: {exc}")
+  from .cap_checks import precheck
+  for name in sorted(set(CAP_METHODS) - before):
+    found = precheck(name)
+    if found:
+      return f"cap method {name!r} (registered by --import {imports}) contradicts " \
+             f"itself: {found}"
+  return None
+
+
 def verify_main(argv=None) -> int:
   """ua-verify: runs every property of the suite and prints a report by feature group."""
   parser = argparse.ArgumentParser(prog="ua-verify", description=verify_main.__doc__)
@@ -160,6 +182,10 @@ def verify_main(argv=None) -> int:
           "--shared-database take effect with --profile dev, fuzz or gpu")
   if os.path.exists(args.failures) and not os.path.isdir(args.failures):
     parser.error(f"--failures {args.failures}: exists and is not a directory")
+  contradiction = _precheck_imported_caps(parser, args.imports)
+  if contradiction:
+    print(f"FAIL: {contradiction}")
+    return 1
   import pytest
 
   gpu = args.profile == "gpu"

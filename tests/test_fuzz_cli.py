@@ -108,3 +108,11 @@ def test_verify_failures_path_that_is_a_file_is_a_usage_error(tmp_path, capsys):
   (tmp_path / "f").write_text("")
   assert "is not a directory" in _usage_error(
       cli.verify_main, ["--failures", str(tmp_path / "f")], capsys)
+
+
+def test_ua_verify_checks_imported_caps_before_any_case(my_caps, capsys):
+  code = cli.verify_main(["--import", my_caps, "--impl", "ua_reference:attention", "-n", "0"])
+  out = capsys.readouterr().out
+  assert code == 1
+  assert out.startswith("FAIL: cap method 'logcap_test'") and "derivative differs" in out
+  assert "unified-attention verification" not in out  # no case ran

@@ -4,7 +4,7 @@ implementations import it, the verification suite judges them by it."""
 
 from .caps import CAP_METHODS, CapMethod, get_cap_method, register_cap_method
 from .contract import StaticSpec, validate
-from .reference import attention, visible_keys
+from .reference import attention, visible_keys, with_z_loss_gradient
 
-__all__ = ["attention", "visible_keys", "validate", "StaticSpec", "CAP_METHODS", "CapMethod",
-           "get_cap_method", "register_cap_method"]
+__all__ = ["attention", "visible_keys", "with_z_loss_gradient", "validate", "StaticSpec",
+           "CAP_METHODS", "CapMethod", "get_cap_method", "register_cap_method"]
