@@ -104,6 +104,49 @@ class Case:
       data["tiles"] = tuple(data["tiles"])
     return cls(**data)
 
+  def invalid(self) -> str | None:
+    """What makes this case one the suite would never draw (a field and what
+    it must be), or None: a case file edited by hand, or of another version,
+    is refused rather than run as a false reproduction."""
+    from ua_reference.caps import CAP_METHODS
+    positive = ("batch", "seq_len", "num_q_heads", "num_kv_heads", "head_dim")
+    for name in positive:
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        return f"{name} must be a positive int, got {value!r}"
+    if self.num_q_heads % self.num_kv_heads:
+      return (f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
+              f"({self.num_kv_heads})")
+    kinds = {"dtype": ("float32", "bfloat16", "float16"),
+             "segments": ("none", "packed", "random", "wide"),
+             "temperature": ("none", "ones", "uniform", "signed", "extreme", "per_head",
+                             "scalar"),
+             "distribution": ("normal", "large", "ties", "saturating")}
+    for name, allowed in kinds.items():
+      if getattr(self, name) not in allowed:
+        return f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
+    if not isinstance(self.window_len, int) or self.window_len < 0:
+      return f"window_len must be an int >= 0, got {self.window_len!r}"
+    if self.cap_method not in CAP_METHODS:
+      return (f"cap_method {self.cap_method!r} is not registered (registered: "
+              f"{sorted(CAP_METHODS)}; --import the module that registers it)")
+    wanted = len(CAP_METHODS[self.cap_method].param_names)
+    if len(self.cap_params) != wanted or not all(
+        isinstance(p, (int, float)) and np.isfinite(p) and p > 0 for p in self.cap_params):
+      return f"cap_params must be {wanted} finite positive numbers, got {self.cap_params!r}"
+    if self.sm_scale is not None and not (isinstance(self.sm_scale, (int, float))
+                                          and np.isfinite(self.sm_scale)):
+      return f"sm_scale must be null or a finite number, got {self.sm_scale!r}"
+    if not (isinstance(self.z_loss_weight, (int, float)) and np.isfinite(self.z_loss_weight)
+            and self.z_loss_weight >= 0):
+      return f"z_loss_weight must be a finite number >= 0, got {self.z_loss_weight!r}"
+    if self.tiles is not None and (len(self.tiles) != 2 or not all(
+        isinstance(b, int) and b > 0 for b in self.tiles)):
+      return f"tiles must be null or two positive ints, got {self.tiles!r}"
+    if not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 32:
+      return f"seed must be an int in [0, 2^32), got {self.seed!r}"
+    return None
+
   def digest(self) -> str:
     return hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 

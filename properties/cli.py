@@ -111,6 +111,10 @@ def verify_main(argv=None) -> int:
   parser.add_argument("-n", "--workers", default="auto",
                       help="pytest-xdist workers: 'auto' (the default, one per CPU core) or "
                            "a number ('0' for none, one process); ignored with --gpus")
+  parser.add_argument("--partial", action="store_true",
+                      help="with --minutes: PASS on the cases that ran even when the box "
+                           "ended before every declared feature had one (else INCOMPLETE, "
+                           "exit status 3)")
   parser.add_argument("--traceback", action="store_true",
                       help="print pytest's tracebacks of failing tests (through the suite's "
                            "internals); by default the report's failure blocks say it all")
@@ -220,21 +224,68 @@ def verify_main(argv=None) -> int:
   if os.path.exists(args.report):
     with open(args.report) as f:
       report = json.load(f)
-  problems = sum(r["failures"] + r["harness_errors"] for r in report.get("properties", {}).values())
-  verdict = "PASS" if code == 0 and problems == 0 and report.get("cases") else "FAIL"
+  verdict, exit_code, notes = _verdict(code, report, args)
   written = f"report written to {args.report}" if report else "no report (nothing ran)"
-  if report:
-    missing = _properties_not_run(args.impl, report)
-    if missing:
-      print(f"\nnot run{' (the time box ended first)' if args.minutes else ''}: "
-            f"{', '.join(missing)}: the verdict covers the other properties only")
+  for note in notes:
+    print(f"\n{note}")
   print(f"\n{verdict}: {args.impl}, profile {args.profile}, {report.get('cases', 0)} cases "
         f"in {time.time() - start:.0f} s; {written}")
   if args.html and report:
     _write_html(args.html, report, args.html_baseline, baseline)
   elif args.html:
     print(f"no HTML page: no report to show ({args.html} not written)")
-  return 0 if verdict == "PASS" else 1
+  return exit_code
+
+
+# The exit statuses of ua-verify, ua-repro and ua-fuzz (docs/VERIFICATION.md, "Exit statuses").
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def _verdict(code: int, report: dict, args) -> tuple[str, int, list[str]]:
+  """(verdict, exit status, notes) of a run: the plugin's count of problems
+  (failures, harness errors, crashes, timeouts); INCOMPLETE when a time box
+  ended before every property, and every feature and dtype the implementation
+  declares, had a case (unless --partial); INTERRUPTED on Ctrl-C."""
+  import pytest
+
+  from .plugin import report_problems
+  if code == pytest.ExitCode.USAGE_ERROR:
+    return "USAGE ERROR", EXIT_USAGE, []
+  if code == pytest.ExitCode.INTERRUPTED:
+    return "INTERRUPTED", EXIT_INTERRUPTED, [
+        "interrupted (Ctrl-C): the verdict covers nothing; the case that was running keeps "
+        f"its file under {args.failures}"]
+  if report_problems(report) or not report.get("cases") or code != 0:
+    return "FAIL", EXIT_FAIL, []
+  notes = []
+  missing = _properties_not_run(args.impl, report)
+  if missing:
+    notes.append(f"not run{' (the time box ended first)' if args.minutes else ''}: "
+                 f"{', '.join(missing)}")
+  untested = _declared_groups_untested(args.impl, report)
+  if untested:
+    notes.append(f"no case of: {', '.join(untested)}")
+  if args.minutes is not None and (missing or untested) and not args.partial:
+    notes.append("the time box ended before the implementation's declared features were "
+                 "all tested: a longer --minutes, or --partial for a verdict on what ran")
+    return "INCOMPLETE", EXIT_INCOMPLETE, notes
+  if notes:
+    notes[-1] += ": the verdict covers the rest only"
+  return "PASS", EXIT_PASS, notes
+
+
+def _declared_groups_untested(impl_name: str, report: dict) -> list[str]:
+  """The features and dtypes ``impl_name`` declares that no case of the report had."""
+  from .capabilities import load_impl
+  from .case import FEATURES
+  try:
+    impl = load_impl(impl_name)
+  except Exception:  # noqa: BLE001 -- the run already loaded it; nothing to add
+    return []
+  groups = report.get("feature_groups", {})
+  wanted = [f for f in FEATURES if f not in impl.unsupported]
+  wanted += [f"dtype:{d}" for d in impl.dtypes]
+  return [g for g in wanted if not groups.get(g, {}).get("cases")]
 
 
 def _check_html(parser, args) -> dict | None:
@@ -349,6 +400,9 @@ def repro_main(argv=None) -> int:
     imports = tuple(dict.fromkeys(import_modules(names)))
   except Exception as exc:  # noqa: BLE001 -- a usage error, not a reproduction
     parser.error(f"--import {names}: {type(exc).__name__}: {exc}")
+  invalid = payload["case"].invalid()
+  if invalid:
+    parser.error(f"{args.case_file}: not a case the suite draws: {invalid}")
   from .capabilities import load_impl
   from .checks import PropertyFailure
   from .registry import get

@@ -117,6 +117,17 @@ def _check_options(config):
   failures = config.getoption("ua_failures")
   if os.path.exists(failures) and not os.path.isdir(failures):
     raise pytest.UsageError(f"--ua-failures {failures}: exists and is not a directory")
+  if _runs_the_suite(config):
+    database = config.getoption("ua_database")
+    for option, path in (("--ua-failures", failures), ("--ua-report", report),
+                         ("--ua-database", database if database and "://" not in database
+                          else None)):
+      unwritable = path and _unwritable(path)
+      if unwritable:
+        raise pytest.UsageError(
+            f"{option} {path}: {unwritable} is not writable: case files, the report and "
+            f"new failures could not be kept (run where you can write, or point "
+            f"{option} elsewhere)")
   from .databases import DatabaseOptionError, check_option
   for option in ("ua_database", "ua_shared_database"):
     try:  # a Redis URL: parsed, and the server asked once (by the controller)
@@ -136,6 +147,23 @@ def _check_options(config):
       load_impl(impl)
     except Exception as exc:  # noqa: BLE001 -- as above
       raise pytest.UsageError(f"--impl {impl}: {type(exc).__name__}: {exc}") from exc
+
+
+def _runs_the_suite(config) -> bool:
+  """Whether this session collects the suite (ua-verify, pytest --pyargs
+  properties.suite), not only a project's own tests beside the plugin."""
+  return any("properties.suite" in str(a) or "properties/suite" in str(a) for a in config.args)
+
+
+def _unwritable(path: str) -> str | None:
+  """The existing directory where ``path`` would be written, if this process
+  cannot write there (a read-only file system, permissions); else None."""
+  here = os.path.abspath(path)
+  if not os.path.isdir(here):
+    here = os.path.dirname(here)
+  while not os.path.exists(here):
+    here = os.path.dirname(here)
+  return None if os.access(here, os.W_OK) else here
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -148,7 +148,11 @@ class Verifier:
       raise CaseFailure(f"{prop.name} failed for {self.impl.name} on {case}\n"
                         f"{message}\nreplay: {replay}", case, errors, replay, biased) from exc
     except KeyboardInterrupt:
-      _remove(path)  # stopped by the user: neither a failure nor a crash
+      # Stopped by the user, perhaps because the case hangs: its file stays.
+      message = "interrupted (Ctrl-C) while this case ran"
+      write("interrupted", message=message)
+      self._record(prop, case, "interrupted", [], start, replay, message,
+                   harness_seconds=harness_seconds)
       raise
     finally:
       watchdog.cancel()
