@@ -47,7 +47,8 @@ def _segments(rng, case: Case):
 def _wide_ids(rng, labels, row: int):
   """Document labels 0, 1, ... of one row as ids across the int32 range: by
   row, the largest ids counting down or the most negative counting up, 256
-  apart (ids narrowed to 8 bits all collide), or sparse random ones; and every
+  apart, or sparse ones a multiple of 2^16 apart (ids narrowed to 8 or 16 bits
+  all collide); and every
   fourth document takes the id of the one two before it, so equal ids meet in
   documents apart (the contract compares ids, not runs)."""
   n = int(labels.max()) + 1
@@ -57,9 +58,9 @@ def _wide_ids(rng, labels, row: int):
     values = INT32.max - 256 * k
   elif kind == 1:
     values = INT32.min + 256 * k
-  else:
-    step = (2 ** 32 - 1) // n  # distinct ids spread over the whole range
-    values = INT32.min + rng.permutation(n) * step + rng.integers(0, step, n)
+  else:  # distinct ids spread over the whole range, equal in their low 16 bits
+    step = max(1, (2 ** 32 - 1) // n // 65536) * 65536 if n < 65536 else 1
+    values = INT32.min + int(rng.integers(65536)) % step + rng.permutation(n) * step
   for d in range(3, n, 4):
     values[d] = values[d - 2]
   return values[labels]

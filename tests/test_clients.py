@@ -46,7 +46,7 @@ def test_callables_over_captured_arrays_pass(name, tmp_path):
 
 @pytest.mark.parametrize("name, select", [
     ("head_dim_above_128_halved", "matches_oracle-float32-cap-hard"),
-    ("segment_ids_8_bit", "matches_oracle-float32 and not cap and not mask and not long"),
+    ("segment_ids_8_bit", "mask_is_exact"),
 ])
 def test_planted_defects_of_other_classes_fail_the_ci_profile(name, select, tmp_path):
   proc, report = run_suite(tmp_path, f"outside_kernels:{name}_attention", "-k", select)
