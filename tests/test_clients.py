@@ -16,9 +16,9 @@ def _problems(report):
 
 def test_a_narrow_kernel_is_drawn_at_its_own_head_dims_and_tiles(tmp_path):
   proc, report = run_suite(tmp_path, "outside_kernels:narrow_attention", "-n", "2", "-k",
-                           "matches_oracle-bfloat16 or mask_is_exact or packed_equals")
+                           "matches_oracle-bfloat16- or mask_is_exact or packed_equals")
   assert proc.returncode == 0, proc.stdout[-3000:]
-  assert report["cases"] >= 10 and _problems(report) == 0
+  assert report["cases"] >= 8 and _problems(report) == 0
   groups = report["feature_groups"]
   assert groups["head_dim:65-128"]["cases"] and groups["head_dim:>128"]["cases"]
   assert "head_dim:<=64" not in groups
