@@ -32,6 +32,9 @@ from typing import Callable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+# The kernels compute in float32: a parameter must be a normal float32 there.
+_F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
 CapFn = Callable[..., jnp.ndarray]
 
 
@@ -81,6 +84,10 @@ class CapMethod:
         raise ValueError(
             f"cap_params[{pname}] of cap_method {self.name!r} must be a "
             f"positive finite float, got {value!r}")
+      if not _F32_TINY <= value <= _F32_MAX:
+        raise ValueError(
+            f"cap_params[{pname}] of cap_method {self.name!r} must be a normal float32 "
+            f"magnitude, in [{_F32_TINY:.3g}, {_F32_MAX:.3g}], got {value!r}")
       out.append(value)
     return tuple(out)
 

@@ -58,7 +58,24 @@ def _static_float(name: str, value: Any) -> float:
     raise TypeError(f"{name} must be a float, got {type(value).__name__}") from None
   if not math.isfinite(out):
     raise ValueError(f"{name} must be finite, got {out!r}")
+  why = float32_range_error(out)
+  if why:
+    raise ValueError(f"{name} {why}")
   return out
+
+
+_F32 = np.finfo(np.float32)
+
+
+def float32_range_error(x: float) -> str | None:
+  """Why ``x`` cannot be a float32 parameter of the kernels (they compute in
+  float32): past its largest value (it would overflow to inf) or below its
+  smallest normal value (subnormal: flushed to zero, or a cap that divides
+  by it overflows); None for 0 and every normal float32."""
+  if x != 0 and not float(_F32.tiny) <= abs(x) <= float(_F32.max):
+    return (f"must be 0 or a normal float32 magnitude, in [{float(_F32.tiny):.3g}, "
+            f"{float(_F32.max):.3g}], got {x!r}")
+  return None
 
 
 def _static_bool(name: str, value: Any) -> bool:
