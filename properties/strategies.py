@@ -175,8 +175,10 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
               temperature=temperature, sm_scale=sm_scale, z_loss_weight=z_loss,
               return_lse=return_lse, distribution=distribution, tiles=pair,
               seed=draw(st.integers(0, 2 ** 31 - 1)))
-  # Cap parameters around the logits' own magnitude, so the cap is reached.
+  # Cap parameters around the logits' own magnitude, so the cap is reached,
+  # drawn apart for a two-sided cap: a large positive and a small negative
+  # parameter (ratios to 30) put a row's logits on either side of saturation.
   scale = logit_scale(case)
-  params = tuple(scale * choose([0.25, 0.5, 1.0, 2.0])
+  params = tuple(scale * choose([0.25, 0.5, 1.0, 2.0, 0.1, 3.0])
                  for _ in CAP_METHODS[cap_method].param_names)
   return dataclasses.replace(case, cap_method=cap_method, cap_params=params)

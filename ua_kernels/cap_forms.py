@@ -19,6 +19,8 @@ exact form: registering a cap needs no edit of the kernels.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from ua_reference.caps import CapFn, CapMethod, asym_tanh_cap, get_cap_method, tanh_cap
 
 from .fast_math import approx_tanh, tanh_complement
@@ -34,10 +36,19 @@ def register_fast_form(name: str, forward: CapFn, grad: CapFn) -> None:
   FAST_FORMS[name] = (forward, grad)
 
 
+# The exact forms of the tanh family on jnp.tanh, which every Pallas backend
+# lowers (the contract's forward is written for its autodiff derivative, on
+# expm1); the derivative is the contract's, without cancellation.
+EXACT_FORMS: dict[str, tuple[CapFn, CapFn]] = {
+    "tanh": tanh_cap(jnp.tanh), "asym_tanh": asym_tanh_cap(jnp.tanh)}
+
+
 def forms(method: CapMethod, fast: bool) -> tuple[CapFn, CapFn]:
   """(forward, grad) the kernels evaluate for ``method``."""
   if fast and method.name in FAST_FORMS:
     return FAST_FORMS[method.name]
+  if method.name in EXACT_FORMS:
+    return EXACT_FORMS[method.name]
   return method.forward, method.grad
 
 

@@ -29,7 +29,6 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -53,25 +52,6 @@ class CapMethod:
   doc: str = ""
   homogeneous: bool = False
   bounds: Callable[..., tuple[float, float]] | None = None
-
-  def apply(self, x, *params):
-    """forward(x, *params), differentiated by the registered ``grad``: the
-    contract's derivative, which autodiff of forward need not round alike
-    (tanh's is 1 - t^2, cancelling where a cap saturates: the float32
-    reference's dq was then a rounding off the oracle, one way on a whole
-    case, docs/DEFECTS.md, F61)."""
-    forward, grad = self.forward, self.grad
-
-    @jax.custom_jvp
-    def capped(x):
-      return forward(x, *params)
-
-    @capped.defjvp
-    def _jvp(primals, tangents):
-      (x,), (dx,) = primals, tangents
-      return capped(x), grad(x, *params) * dx
-
-    return capped(x)
 
   def validate_params(self, params: Sequence[float]) -> tuple[float, ...]:
     """Returns params as floats, or raises naming ``cap_params``."""
@@ -203,11 +183,27 @@ def _hard_forward(x, c):
   return jnp.where(jnp.abs(x) <= c, x, jnp.sign(x) * c)
 
 
+def tanh_differentiable(y):
+  """tanh(y) as (1 - e) / (1 + e) with e = exp(-2|y|), by sign: jnp.tanh's
+  values to a few float32 roundings, whose autodiff derivative is
+  4e / (1 + e)^2 and does not cancel where tanh saturates. jnp.tanh's is
+  1 - t^2: the float32 reference's dq and dk of a saturated cap were a
+  rounding off the oracle there, one way on a whole case, and a correct
+  kernel read as biased against it (docs/DEFECTS.md, F61)."""
+  pos = y >= 0
+  a = jnp.where(pos, y, -y)  # |y|, with derivative 1 at 0 (jnp.abs has 0)
+  e = jnp.exp(-2.0 * a)
+  # 1 - e cancels for small |y|, where expm1 does not; expm1's derivative
+  # (autodiff: its value + 1) cancels for large |y|, where 1 - e does not.
+  f = jnp.where(a < 0.5, -jnp.expm1(-2.0 * a), 1.0 - e) / (1.0 + e)
+  return jnp.where(pos, f, -f)
+
+
 register_cap_method(
     "none", (), lambda x: x, lambda x: jnp.ones_like(x),
     doc="identity: no cap")
 register_cap_method(
-    "tanh", ("c",), *tanh_cap(jnp.tanh),
+    "tanh", ("c",), *tanh_cap(tanh_differentiable),
     doc="soft cap c*tanh(x/c); derivative 1 - tanh(x/c)^2",
     homogeneous=True, bounds=lambda c: (-c, c))
 register_cap_method(
@@ -216,7 +212,7 @@ register_cap_method(
     doc="clip to [-c, c]; derivative 1 on [-c, c], 0 outside", homogeneous=True,
     bounds=lambda c: (-c, c))
 register_cap_method(
-    "asym_tanh", ("c_pos", "c_neg"), *asym_tanh_cap(jnp.tanh),
+    "asym_tanh", ("c_pos", "c_neg"), *asym_tanh_cap(tanh_differentiable),
     doc="tanh soft cap with separate scales for positive (c_pos) and negative "
         "(c_neg) logits; derivative 1 - tanh(x/c)^2 with c of x's side",
     homogeneous=True, bounds=lambda c_pos, c_neg: (-c_neg, c_pos))

@@ -78,7 +78,7 @@ def _query_rows(spec: StaticSpec, q, k, v, pos, seg_q, seg_k, temp):
   # Order of the contract: scale, cap, temperature, then masking.
   scaled = spec.sm_scale * jnp.einsum(
       "bqhd,bkhd->bhqk", q, k, precision=jax.lax.Precision.HIGHEST)
-  logits = spec.cap.apply(scaled, *spec.cap_params)
+  logits = spec.cap.forward(scaled, *spec.cap_params)
   if temp is not None:
     logits = logits * jnp.transpose(temp, (0, 2, 1))[..., None]
   mask = _visible(pos, jnp.arange(spec.seq_len), seg_q, seg_k, spec.causal, spec.window_len)
