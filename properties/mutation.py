@@ -178,7 +178,7 @@ MUTANTS = [
            "backward's 16-bit P and ds rounded to nearest under a cap or a z-loss (a row of "
            "equal values rounded alike: a bias)"),
     Mutant("M36", CAP_FORMS, 'register_fast_form("tanh", *tanh_cap(approx_tanh, tanh_complement))',
-           'register_fast_form("tanh", *tanh_cap(approx_tanh))',
+           'register_fast_form("tanh", *tanh_cap(approx_tanh, lambda y, t: 1.0 - t * t))',
            "bfloat16 fast tanh cap's derivative as 1 - t^2 of the fast t (0 where the logits "
            "saturate: dq and dk toward zero)"),
     Mutant("M19", SOFTMAX_STATE, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
