@@ -1,5 +1,6 @@
 """Bad input raises ValueError/TypeError naming the argument, in every implementation."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -142,3 +143,10 @@ def test_segment_ids_wider_than_int32_keep_their_documents_apart(impl):
                np.where(narrow == 1, np.iinfo(np.int64).max, np.iinfo(np.int64).min)):
     np.testing.assert_array_equal(np.asarray(fn(q, k, v, segment_ids=wide, causal=True)),
                                   np.asarray(fn(q, k, v, segment_ids=narrow, causal=True)))
+
+
+def test_second_order_gradients_raise_a_clear_error():
+  f = lambda q: ua_kernels.attention(q, k, v, causal=True).sum()
+  assert np.isfinite(np.asarray(jax.grad(f)(q))).all()
+  with pytest.raises(NotImplementedError, match="second-order gradients"):
+    jax.grad(lambda q: jax.grad(f)(q).sum())(q)

@@ -312,6 +312,22 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
   return dq[:, :t, :, :d], dk[:, :t, :, :d], dv[:, :t, :, :d]
 
 
+def _first_order_only(fn):
+  """``fn`` (the forward's or the backward's kernels, under the VJP), whose
+  own derivative raises a clear error: a gradient of a gradient reaches the
+  Pallas calls, which have none, and failed with a bare AssertionError."""
+  @jax.custom_jvp
+  def first_order(*args):
+    return fn(*args)
+
+  @first_order.defjvp
+  def _second_order(primals, tangents):
+    raise NotImplementedError(
+        "ua_kernels.attention: second-order gradients (differentiating its backward, "
+        "e.g. jax.grad of jax.grad) are not supported; ua_reference.attention has them")
+  return first_order
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(spec, config, q, k, v, seg, temp, keys=None):
   out, lse2, _ = _forward(spec, config, q, k, v, seg, temp, keys=keys)
@@ -319,15 +335,17 @@ def _attention(spec, config, q, k, v, seg, temp, keys=None):
 
 
 def _attention_fwd(spec, config, q, k, v, seg, temp, keys=None):
-  out, lse2, lse2_low = _forward(spec, config, q, k, v, seg, temp, with_low=True, keys=keys)
+  forward = _first_order_only(lambda q, k, v, seg, temp, keys: _forward(
+      spec, config, q, k, v, seg, temp, with_low=True, keys=keys))
+  out, lse2, lse2_low = forward(q, k, v, seg, temp, keys)
   return (out, lse2 * LN2), (q, k, v, seg, temp, keys, out, lse2, lse2_low)
 
 
 def _attention_bwd(spec, config, residuals, cotangents):
   q, k, v, seg, temp, keys, out, lse2, lse2_low = residuals
   dout, dlse = cotangents
-  dq, dk, dv = _backward(spec, config, q, k, v, seg, temp, out, lse2, lse2_low, dout, dlse,
-                         keys)
+  backward = _first_order_only(functools.partial(_backward, spec, config))
+  dq, dk, dv = backward(q, k, v, seg, temp, out, lse2, lse2_low, dout, dlse, keys)
   # segment_ids, temperature and the key block receive no gradient (docs/SEMANTICS.md).
   return dq, dk, dv, None, None, None
 
