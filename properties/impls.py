@@ -97,3 +97,17 @@ def pallas_triton_mha(q, k, v, *, segment_ids=None, causal=False, window_len=0,
 pallas_triton_mha.ua_unsupported = {"window", "cap", "temperature", "z_loss", "lse", "gqa"}
 pallas_triton_mha.ua_dtypes = ("bfloat16", "float16")
 pallas_triton_mha.ua_block_sizes = (64, 128)
+
+
+def splash_attention(q, k, v, **kwargs):
+  """JAX's Pallas-TPU splash attention (``jax.experimental.pallas.ops.tpu.
+  splash_attention``) behind the contract: on a TPU its compiled kernels, else
+  its interpret mode (properties/impls_splash.py holds the mapping)."""
+  from .impls_splash import attention
+  return attention(q, k, v, **kwargs)
+
+
+splash_attention.ua_unsupported = ("temperature", "z_loss")
+splash_attention.ua_cap_methods = ("tanh",)  # attn_logits_soft_cap: c * tanh(x / c)
+splash_attention.ua_dtypes = ("float32", "bfloat16", "float16")
+splash_attention.ua_block_sizes = (128,)  # its default block sizes; T padded to them

@@ -87,6 +87,30 @@ def _executable(key, make_fn, args, compiler_options=None, name=None):
   return executable
 
 
+class LeakedTracer(TypeError):
+  """The implementation kept a value traced in an earlier computation."""
+
+
+def _call(executable, args):
+  """``executable(*args)``. An implementation that caches a value built
+  inside an earlier trace (a table made under jit and kept, as a splash
+  kernel's mask tables are when the kernel object is cached) leaks that
+  tracer into the next compile, which then takes it as an extra input: jax
+  reports an arity mismatch here (under a plain jax.jit, UnexpectedTracerError).
+  That is the implementation's defect, said as such."""
+  try:
+    return executable(*args)
+  except TypeError as exc:
+    if "Computation compiled for" not in str(exc):
+      raise
+    raise LeakedTracer(
+        f"the implementation's computation takes inputs it was not given ({exc}): it "
+        f"closes over a value traced in another computation, such as an array built under "
+        f"jax.jit (or inside another transformation) and cached for later calls. Build such "
+        f"values outside any trace (at import, or under jax.ensure_compile_time_eval()); "
+        f"under a plain jax.jit the same code raises UnexpectedTracerError") from exc
+
+
 def _vjp_fn(impl: Implementation, case: Case, omit=()):
   kwargs = impl.call_kwargs(case)
   for name in omit:
@@ -146,7 +170,7 @@ def evaluate_forward(impl: Implementation, case: Case, inputs: dict | None = Non
   through its primal function rather than its fwd rule."""
   inputs = make_inputs(case) if inputs is None else inputs
   args = _args(inputs, float64=False)[:5]
-  return _as_numpy(_forward_executable(impl, case, args)(*args))
+  return _as_numpy(_call(_forward_executable(impl, case, args), args))
 
 
 def evaluate(impl: Implementation, case: Case, inputs: dict | None = None, *,
@@ -162,7 +186,7 @@ def evaluate_arrays(impl: Implementation, case: Case, inputs: dict, *,
   """evaluate's outputs left on the device that computed them (jax arrays),
   for a check that reduces them there; ``inputs`` may be jax arrays."""
   args = _args(inputs, float64=False)
-  return _vjp_executable(impl, case, args, omit)(*args)
+  return _call(_vjp_executable(impl, case, args, omit), args)
 
 
 def _reference_args(case: Case, inputs: dict, float64: bool):

@@ -76,3 +76,14 @@ def test_a_clients_first_failure_reads_in_a_screen(tmp_path):
   assert failed and block[failed[0] + 1].startswith("  case:     B=")
   replay = block[failed[0] + 3]
   assert replay.startswith("  replay:   ua-repro ") and block[failed[0] + 4].endswith("--minimize")
+
+
+def test_a_cached_tracer_is_named_as_the_implementations_defect(tmp_path):
+  """An implementation that caches an array built inside a trace (the way a
+  splash kernel cached across calls keeps its mask tables): the harness's
+  compiled call says what leaked, not only that the arity differs."""
+  proc, report = run_suite(tmp_path, "outside_kernels:leaky_cache_attention",
+                           "-k", "matches_oracle-float32 and not cap and not mask and not long")
+  assert proc.returncode == 1
+  failed = [f for f in report["failures"] if f["status"] == "failed"]
+  assert failed and "closes over a value traced in another computation" in failed[0]["message"]
