@@ -65,7 +65,8 @@ def output_dtype(name: str, dtype: str) -> str:
 def signed_ulps(got, oracle, dtype: str, reference=None) -> np.ndarray:
   """(got - reference) * sign(oracle) in ulps of ``dtype`` at |oracle| (the
   reference defaults to the oracle), in the oracle's shape; NaN where an
-  element is not measured: the oracle not finite or zero, the others not
+  element is not measured: the oracle not finite or rounding to zero in
+  ``dtype`` (|oracle| at most half its smallest subnormal), the others not
   finite, or the reference more than REFERENCE_WITHIN_ULPS from the oracle.
   The ulp is a power of two from the oracle's exponent (frexp: exact, where a
   rounded log2 puts a value just below a power of two in the binade above)."""
@@ -82,6 +83,11 @@ def _signed_ulps(xp, got, oracle, reference, min_exponent, significand):
   exponent = xp.maximum(xp.frexp(xp.abs(oracle))[1] - 1, min_exponent)
   ulp = reductions.power_of_two(xp, exponent - significand)
   keep &= xp.abs(reference - oracle) <= REFERENCE_WITHIN_ULPS * ulp
+  # An oracle that rounds to zero in the dtype (below half its smallest
+  # subnormal: a saturated cap's exact derivative, 1e-136 on a whole dq row,
+  # or float64 noise on an exact 0) leaves a kernel nothing to round: counted,
+  # its difference of 0 diluted the mean under the floor (issue 61).
+  keep &= xp.abs(oracle) > 0.5 * reductions.power_of_two(xp, min_exponent - significand)
   return xp.where(keep, (got - reference) * xp.sign(oracle) / ulp, xp.nan)
 
 

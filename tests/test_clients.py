@@ -87,3 +87,14 @@ def test_a_cached_tracer_is_named_as_the_implementations_defect(tmp_path):
   assert proc.returncode == 1
   failed = [f for f in report["failures"] if f["status"] == "failed"]
   assert failed and "closes over a value traced in another computation" in failed[0]["message"]
+
+
+def test_splash_attention_runs_under_the_suite_in_interpret_mode(tmp_path):
+  """JAX's splash attention (a TPU kernel, in its interpret mode here) through
+  its adapter: the mask, hidden-key and packed-document properties pass, wide
+  segment ids and GQA included; its oracle failures are classified in
+  docs/PEERS.md ("Splash attention on this CPU")."""
+  proc, report = run_suite(tmp_path, "properties.impls:splash_attention", "-n", "2", "-k",
+                           "mask_is_exact or hidden_keys_do_not_leak or packed_equals_separate")
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  assert report["cases"] >= 10 and _problems(report) == 0

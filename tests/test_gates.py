@@ -44,6 +44,22 @@ def test_exact_results_over_float64_noise_have_no_sign():
   assert not verdicts({"dq": stats})["dq"]["biased"]
 
 
+def test_an_oracle_that_rounds_to_zero_is_not_measured():
+  """A saturated cap's exact derivative leaves whole dq rows at 1e-136 (the
+  H200 cases of issue 61, half of dq): they round to 0 in float16, and every
+  kernel's 0 there is exact. Counted as differences of 0 they halved the mean
+  of a kernel rounding the other half toward zero, under the case floor."""
+  oracle = RNG.normal(size=(400, 32))
+  oracle[::2] *= 1e-136
+  near = oracle.astype(np.float16)
+  toward = np.where(np.abs(near) > np.abs(oracle), np.nextafter(near, np.float16(0)), near)
+  got = toward.astype(np.float64)  # 0 on the rows of 1e-136
+  stats = BiasStats.of(signed_ulps(got, oracle, "float16"))
+  assert stats.n == oracle.size // 2
+  verdict = verdicts({"dq": stats}, floor=0.35)["dq"]
+  assert verdict["biased"] and verdict["mean_ulps"] < -0.35, verdict
+
+
 def test_a_small_shift_below_the_floor_passes_however_significant():
   oracle = RNG.normal(size=20000)
   got = (oracle + 0.05 * np.abs(oracle) * 2.0 ** -7 * np.sign(oracle)).astype(np.float64)
