@@ -275,7 +275,8 @@ def test_merge_sums_the_hosts_reports(tmp_path, capsys):
   assert merged["hosts"] == ["host-a", "host-b"] and merged["commits"] == ["abc123"]
   assert [s["report"] for s in merged["merged_from"]] == paths
   assert merged["failures"] == [dict(failure, host="host-b")]
-  assert "failure: matches_oracle (on host-b): ua-repro ua-failures/matches_oracle-0123" in printed
+  assert "FAILED matches_oracle (dk) on host-b" in printed
+  assert "replay:   ua-repro ua-failures/matches_oracle-0123" in printed
   assert "FAIL: 903 cases from 2 reports" in printed and f"failures in {paths[1]}" in printed
   for line in ("matches_oracle", "causal"):
     assert any(l.startswith(line) and "2.700" in l for l in printed.splitlines()), printed
