@@ -22,7 +22,7 @@ from .loading import DEFAULT_IMPL, import_modules
 # the box does not reach are skipped at no cost.
 TIME_BOX_ORACLE_CHUNKS = 100
 
-PROFILE_NAMES = ("ci", "dev", "fuzz", "gpu")
+PROFILE_NAMES = ("ci", "dev", "fuzz", "gpu", "tpu")
 
 
 def _worker_args(args) -> list[str]:
@@ -32,6 +32,8 @@ def _worker_args(args) -> list[str]:
   take tests two, then one at a time (``--maxschedchunk 1``; xdist's default
   hands each worker a quarter of its share at once), so that the first round
   of property_tests spreads over all workers."""
+  if getattr(args, "profile", None) == "tpu":
+    return []  # one program at a time holds a TPU chip: no xdist workers there
   if args.gpus:
     per_gpu = args.workers_per_gpu or max(1, (os.cpu_count() or 8) // args.gpus)
     env = ("//env:XLA_PYTHON_CLIENT_PREALLOCATE=false"
@@ -192,7 +194,7 @@ def verify_main(argv=None) -> int:
     return 1
   import pytest
 
-  gpu = args.profile == "gpu"
+  gpu = args.profile in ("gpu", "tpu")  # a compiled campaign: cache, threads, timeout
   chunks = args.oracle_chunks
   if chunks is None and args.minutes is not None:
     chunks = TIME_BOX_ORACLE_CHUNKS

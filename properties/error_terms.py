@@ -159,7 +159,7 @@ def _block_fn(spec, seq_len: int, rows: int, rounding: Rounding, k, v):
   the key sums kept there (donated to each block's step), the row blocks
   sliced on the host (an eager slice of a device array is a dispatch: 1280 of
   them took 1.5 s of a T=16k case on the H200)."""
-  if jax.default_backend() == "cpu":
+  if jax.default_backend() == "cpu" or host_device() is not None:
     return functools.partial(_step, spec, seq_len, rounding, np), k, v
   return _jitted(spec, seq_len, rows, rounding), jax.device_put(k), jax.device_put(v)
 
@@ -177,12 +177,19 @@ def _bucket(n: int) -> int:
   return max(256, 1 << (n - 1).bit_length())
 
 
+def host_device():
+  """The host's CPU where the accelerator has no native float64 (a TPU: its
+  float64 is emulated where it compiles at all), else None: the harness's
+  float64 work runs there (runner.harness_device)."""
+  return jax.devices("cpu")[0] if jax.default_backend() == "tpu" else None
+
+
 def _bucketed(fn, x):
   """numpy ``fn(x)`` of an elementwise jnp function, evaluated on x padded to a
   power-of-two length: jax compiles an op per shape, and every case has its own."""
   flat = x.reshape(-1)
   padded = np.pad(flat, (0, _bucket(flat.size) - flat.size))
-  return np.asarray(fn(jnp.asarray(padded)))[:flat.size].reshape(x.shape)
+  return np.asarray(fn(jax.device_put(padded, host_device())))[:flat.size].reshape(x.shape)
 
 
 def _bucketed_mask(spec, seq_len, seg, pos):

@@ -66,6 +66,15 @@ BUCKETS = {
                    batches=(1, 2), tiles=(None,), edge_multiples=(1, 2, 3, 8), long_seq=4097,
                    long_seq_lens=(4097, 2047, 8191, 16384, 1000, 3000)),
 }
+# One TPU chip (a v5e holds 15.7 GiB): the widths TPU kernels take (multiples of
+# 128, and 64), 128-row tiles' edges, lengths to 32k; the oracle runs on the
+# host's CPU (runner.harness_device), one process holds the chip.
+BUCKETS["tpu"] = Buckets(seq_lens=(1024, 128, 255, 513, 2048, 4096, 8192, 1, 17),
+                         head_dims=(128, 256, 128, 64, 192),
+                         heads=((8, 2), (1, 1), (4, 4), (4, 1), (8, 1), (16, 4)),
+                         batches=(1, 2), tiles=(None,), edge_multiples=(1, 2, 3, 8),
+                         max_seq_len=1 << 15, long_seq=4097,
+                         long_seq_lens=(4097, 8192, 16384, 32768, 2047))
 BUCKETS["fuzz"] = BUCKETS["dev"]
 
 
@@ -159,6 +168,12 @@ PROFILES = {p.name: p for p in (
         chunked_properties=("mask_is_exact", "hidden_keys_do_not_leak"), chunked_examples=15,
         chunked_seeds=24, chunked_focuses=("mask-causal", "mask-window", "mask-segment_ids"),
         chunked_box_share=0.12, rotate_focused=True),
+    # A TPU host: the gpu profile's campaign on the TPU's shapes, in one
+    # process (ua-verify --profile tpu runs no xdist workers).
+    Profile("tpu", BUCKETS["tpu"], 1.0, dict(
+        derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate]),
+        oracle_chunks=10, oracle_examples=6, seeds=8, mask_focus_examples=2,
+        long_properties=("mask_is_exact", "hidden_keys_do_not_leak"), rotate_focused=True),
 )}
 
 

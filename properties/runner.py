@@ -32,7 +32,7 @@ import ua_reference
 from .capabilities import Implementation, declare
 from .case import Case
 from .inputs import make_inputs
-from .error_terms import HARNESS_COMPILER_OPTIONS
+from .error_terms import HARNESS_COMPILER_OPTIONS, host_device
 from .tolerance import OUTPUTS, OutputError, compare, element_tolerance, floors
 
 REFERENCE = declare("ua_reference:attention", ua_reference.attention)
@@ -189,8 +189,16 @@ def evaluate_arrays(impl: Implementation, case: Case, inputs: dict, *,
   return _call(_vjp_executable(impl, case, args, omit), args)
 
 
+# Where the oracle, the reference and the floors run: the host's CPU on a TPU
+# (no native float64), else the default device (None).
+harness_device = host_device
+
+
 def _reference_args(case: Case, inputs: dict, float64: bool):
   args = _args(inputs, float64)
+  device = harness_device()
+  if device is not None:
+    args = jax.device_put(args, device)
   if not case.return_lse:
     args = args[:6] + (jnp.zeros_like(args[6]),)  # no cotangent on an lse the case ignores
   return args

@@ -68,3 +68,32 @@ def test_a_prepared_configuration_is_not_prepared_again(threads, monkeypatch):
   monkeypatch.setattr(runner, "make_inputs", lambda c: made.append(c))
   runner.prepare(IMPL, dataclasses.replace(case, seed=case.seed + 1))
   assert made == []
+
+
+def test_on_a_tpu_the_harness_runs_on_the_host_cpu(monkeypatch):
+  """A TPU has no native float64: the oracle's and the reference's inputs are
+  placed on the host's CPU there (and the floors summed in numpy), so their
+  executables compile for it; elsewhere they stay on the default device."""
+  import jax
+  from properties import error_terms, runner
+  from properties.case import Case
+  from properties.inputs import make_inputs
+  case = Case(batch=1, seq_len=8, num_q_heads=2, num_kv_heads=1, head_dim=16,
+              dtype="float32", seed=1)
+  assert runner.harness_device() is None
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  cpu = jax.devices("cpu")[0]
+  assert error_terms.host_device() == cpu
+  args = runner._reference_args(case, make_inputs(case), float64=False)
+  assert all(a.devices() == {cpu} for a in args if a is not None)
+
+
+def test_the_tpu_profile_runs_in_one_process():
+  import argparse
+  from properties import cli
+  from properties.profiles import PROFILES
+  args = argparse.Namespace(profile="tpu", gpus=0, workers="auto", minutes=8.0)
+  assert cli._worker_args(args) == []
+  buckets = PROFILES["tpu"].buckets
+  assert buckets.max_seq_len == 32768 and 32768 in buckets.long_seq_lens
+  assert {128, 256} <= set(buckets.head_dims)
