@@ -36,7 +36,8 @@ def wanted(*arrays) -> bool:
   size = max((int(np.size(a)) for a in arrays if a is not None), default=0)
   if _forced or not size:
     return bool(size)
-  return size >= DEVICE_ELEMENTS and jax.default_backend() != "cpu"
+  # Not on a TPU: its float64 is emulated, and frexp's under x64 does not compile there.
+  return size >= DEVICE_ELEMENTS and jax.default_backend() not in ("cpu", "tpu")
 
 
 @contextlib.contextmanager

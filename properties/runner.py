@@ -189,14 +189,22 @@ def evaluate_arrays(impl: Implementation, case: Case, inputs: dict, *,
   return _call(_vjp_executable(impl, case, args, omit), args)
 
 
-# Where the oracle, the reference and the floors run: the host's CPU on a TPU
-# (no native float64), else the default device (None).
+# Where the oracle and the floors run: the host's CPU on a TPU (no native
+# float64), else the default device (None).
 harness_device = host_device
+
+
+def reference_x64(float64: bool) -> bool:
+  """The x64 mode a reference runs in. On a TPU the same-precision reference
+  runs on the chip itself, as the implementation's own dtype runs there
+  (float32 products at JAX's default precision), in the user's mode: x64 off
+  (the chip's 64-bit integers are emulated). docs/VERIFICATION.md "On a TPU"."""
+  return float64 or harness_device() is None
 
 
 def _reference_args(case: Case, inputs: dict, float64: bool):
   args = _args(inputs, float64)
-  device = harness_device()
+  device = harness_device() if float64 else None
   if device is not None:
     args = jax.device_put(args, device)
   if not case.return_lse:
@@ -257,13 +265,14 @@ def prepare(impl: Implementation, case: Case) -> None:
 
   with x64(True):
     oracle_args = _reference_args(case, inputs, float64=True)
+  with x64(reference_x64(False)):
     reference_args = _reference_args(case, inputs, float64=False)
   with x64(impl_x64):
     args = _args(inputs, float64=False)
   jobs = [(_vjp_executable, (impl, case, args), impl_x64, True),
           (_forward_executable, (impl, case, args[:5]), impl_x64, True),
           (_reference_executable, (case, oracle_args, True), True, False),
-          (_reference_executable, (case, reference_args, False), True, False)]
+          (_reference_executable, (case, reference_args, False), reference_x64(False), False)]
   futures = [_POOL.submit(build, fn, *a, in_x64=flag, run=run) for fn, a, flag, run in jobs]
   for future in futures:
     with contextlib.suppress(Exception):
@@ -299,7 +308,9 @@ def _harness(case: Case):
   try:
     with x64(True):
       oracle, lse = _reference(case, inputs, float64=True)
+    with x64(reference_x64(False)):
       ref, _ = _reference(case, inputs, float64=False)
+    with x64(True):
       floor = floors(case, inputs, oracle, lse)
   except Exception as exc:  # noqa: BLE001 -- whatever it is, it is the harness's
     raise HarnessError(f"the oracle/reference/floors failed on this case: "

@@ -70,22 +70,49 @@ def test_a_prepared_configuration_is_not_prepared_again(threads, monkeypatch):
   assert made == []
 
 
-def test_on_a_tpu_the_harness_runs_on_the_host_cpu(monkeypatch):
-  """A TPU has no native float64: the oracle's and the reference's inputs are
-  placed on the host's CPU there (and the floors summed in numpy), so their
-  executables compile for it; elsewhere they stay on the default device."""
+def test_on_a_tpu_the_float64_work_runs_on_the_host_cpu(monkeypatch):
+  """A TPU has no native float64: the oracle's inputs, the floors' terms and
+  the comparisons' reductions are placed on the host's CPU there; the
+  same-precision reference runs on the chip in the user's mode (x64 off), as
+  the implementation's dtype runs there. Elsewhere nothing moves."""
   import jax
-  from properties import error_terms, runner
+  import numpy as np
+  from properties import error_terms, reductions, runner
   from properties.case import Case
   from properties.inputs import make_inputs
   case = Case(batch=1, seq_len=8, num_q_heads=2, num_kv_heads=1, head_dim=16,
               dtype="float32", seed=1)
-  assert runner.harness_device() is None
+  assert runner.harness_device() is None and runner.reference_x64(False)
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   cpu = jax.devices("cpu")[0]
   assert error_terms.host_device() == cpu
-  args = runner._reference_args(case, make_inputs(case), float64=False)
+  args = runner._reference_args(case, make_inputs(case), float64=True)
   assert all(a.devices() == {cpu} for a in args if a is not None)
+  assert runner.reference_x64(True) and not runner.reference_x64(False)
+  assert not reductions.wanted(np.zeros(reductions.DEVICE_ELEMENTS))
+
+def test_the_tpu_harness_gives_the_cpu_harness_bounds(monkeypatch):
+  """The harness's TPU path (the floors' terms jitted on the host, the
+  comparisons in numpy, the reference in x64-off mode) gives the tolerances
+  of the CPU path, up to the order of float64 sums."""
+  import jax
+  import numpy as np
+  from properties import runner
+  from properties.case import Case
+  case = Case(batch=1, seq_len=40, num_q_heads=2, num_kv_heads=1, head_dim=16,
+              dtype="float32", causal=True, seed=3, cap_method="tanh", cap_params=(5.0,))
+  runner._harness.cache_clear()
+  on_cpu = runner.baseline(case)[1]
+  runner._harness.cache_clear()
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  try:
+    on_tpu = runner.baseline(case)[1]
+  finally:
+    runner._harness.cache_clear()
+  assert set(on_cpu) == set(on_tpu) and on_cpu
+  for name, (ref_err, tol) in on_cpu.items():
+    assert on_tpu[name][0] == ref_err, name  # the same reference arithmetic on a CPU
+    np.testing.assert_allclose(on_tpu[name][1], tol, rtol=1e-9, err_msg=name)
 
 
 def test_the_tpu_profile_runs_in_one_process():
