@@ -109,5 +109,20 @@ def splash_attention(q, k, v, **kwargs):
 
 splash_attention.ua_unsupported = ("temperature", "z_loss")
 splash_attention.ua_cap_methods = ("tanh",)  # attn_logits_soft_cap: c * tanh(x / c)
-splash_attention.ua_dtypes = ("float32", "bfloat16", "float16")
+# float16 does not compile on a TPU v5e (Mosaic: "Invalid vector type for load"; docs/PEERS.md).
+splash_attention.ua_dtypes = ("float32", "bfloat16")
 splash_attention.ua_block_sizes = (128,)  # its default block sizes; T padded to them
+
+
+def splash_attention_highest(q, k, v, **kwargs):
+  """splash attention traced under ``jax.default_matmul_precision("highest")``,
+  which Mosaic lowers to fp32 contract precision: at the default, its float32
+  products take one bfloat16 pass (docs/PEERS.md, "splash attention")."""
+  import jax
+  with jax.default_matmul_precision("highest"):
+    return splash_attention(q, k, v, **kwargs)
+
+
+for _name in ("ua_unsupported", "ua_cap_methods", "ua_block_sizes"):
+  setattr(splash_attention_highest, _name, getattr(splash_attention, _name))
+splash_attention_highest.ua_dtypes = ("float32",)  # bfloat16 products are exact at any precision
