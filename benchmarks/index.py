@@ -7,7 +7,7 @@
 
 Indexes: benchmarks/results/README.md (every ``*.json`` under
 benchmarks/results/, one row each) and docs/verification/README.md (every file
-under docs/verification/h200/ and docs/verification/cpu/). Each row holds only
+under docs/verification/h200/, cpu/ and tpu/). Each row holds only
 what the file itself records: a JSON file's ``measured``, ``commit``,
 ``command``, ``gpu`` (or ``machine``) and ``versions["jax"]``, read at its top
 level or under its ``provenance``; the ``--set`` of its command; the other
@@ -262,7 +262,7 @@ INDEXES = (
     Index(
         name="verification reports",
         readme="docs/verification/README.md",
-        folders=("docs/verification/h200", "docs/verification/cpu"),
+        folders=("docs/verification/h200", "docs/verification/cpu", "docs/verification/tpu"),
         pattern="*",
         columns=("measured", "commit", "command", "gpu", "jax", "totals", "carries"),
         default_header="# Verification reports\n\n",

@@ -115,12 +115,12 @@ splash_attention.ua_block_sizes = (128,)  # its default block sizes; T padded to
 
 
 def splash_attention_highest(q, k, v, **kwargs):
-  """splash attention traced under ``jax.default_matmul_precision("highest")``,
-  which Mosaic lowers to fp32 contract precision: at the default, its float32
-  products take one bfloat16 pass (docs/PEERS.md, "splash attention")."""
-  import jax
-  with jax.default_matmul_precision("highest"):
-    return splash_attention(q, k, v, **kwargs)
+  """splash attention with its kernels traced under
+  ``jax.default_matmul_precision("highest")``, forward and backward, which
+  Mosaic lowers to fp32 contract precision: at the default, its float32 products
+  take one bfloat16 pass (docs/PEERS.md, "splash attention")."""
+  from .impls_splash import attention
+  return attention(q, k, v, precision="highest", **kwargs)
 
 
 for _name in ("ua_unsupported", "ua_cap_methods", "ua_block_sizes"):

@@ -25,6 +25,7 @@ than tanh.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -78,9 +79,16 @@ def _collapse(info):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _with_lse(static, q, k, v, seg):
   """(out [H,T,D], lse [H,T]) of one batch row (MQA: one kv head, k/v [T,D]);
-  seg: SegmentIds or None."""
-  out, (lse,) = _kernel(*static, True, _interpret())(q, k, v, segment_ids=seg)
+  seg: SegmentIds or None. static[-1] is the matmul precision the kernels are
+  traced under (None: JAX's default), in the forward and, apart from it, the backward."""
+  with _precision(static[-1]):
+    out, (lse,) = _kernel(*static[:-1], True, _interpret())(q, k, v, segment_ids=seg)
   return out, lse
+
+
+def _precision(precision):
+  return contextlib.nullcontext() if precision is None else \
+      jax.default_matmul_precision(precision)
 
 
 def _with_lse_fwd(static, q, k, v, seg):
@@ -89,6 +97,11 @@ def _with_lse_fwd(static, q, k, v, seg):
 
 
 def _with_lse_bwd(static, res, cts):
+  with _precision(static[-1]):
+    return _with_lse_bwd_kernels(static[:-1], res, cts)
+
+
+def _with_lse_bwd_kernels(static, res, cts):
   q, k, v, seg, out, lse = res
   do, dlse = cts
   kern = _kernel(*static, False, _interpret())
@@ -117,8 +130,11 @@ _with_lse.defvjp(_with_lse_fwd, _with_lse_bwd)
 
 def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0, cap_method="none",
               cap_params=(), temperature=None, sm_scale=None, z_loss_weight=0.0,
-              return_lse=False, config=None):
-  """The contract through splash attention; ``config`` is accepted and ignored."""
+              return_lse=False, config=None, precision=None):
+  """The contract through splash attention; ``config`` is accepted and ignored.
+  ``precision`` (e.g. "highest"): the kernels' matmul precision, forward and
+  backward, which JAX's context alone would not reach in the backward (traced
+  when the VJP is called, outside the caller's context)."""
   del config
   spec, seg, temperature = validate(
       q, k, v, segment_ids=segment_ids, causal=causal, window_len=window_len,
@@ -158,8 +174,9 @@ def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0, cap_meth
   # kernel on each kv head (q [G,T,D], k/v [T,D]), vmapped over the kv heads.
   mqa = group > 1
   static = (tp, group if mqa else hq, spec.causal, window, soft_cap, mqa)
-  if return_lse:
-    row = functools.partial(_with_lse, static)
+  if return_lse or precision is not None:
+    with_lse = functools.partial(_with_lse, static + (precision,))
+    row = with_lse if return_lse else lambda *a: with_lse(*a)[0]
   else:
     kern = _kernel(*static, False, _interpret())
     row = lambda q_, k_, v_, s_: kern(q_, k_, v_, segment_ids=s_)

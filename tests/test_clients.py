@@ -98,3 +98,23 @@ def test_splash_attention_runs_under_the_suite_in_interpret_mode(tmp_path):
                            "mask_is_exact or hidden_keys_do_not_leak or packed_equals_separate")
   assert proc.returncode == 0, proc.stdout[-3000:]
   assert report["cases"] >= 10 and _problems(report) == 0
+
+
+def test_splash_attention_highest_traces_both_directions_at_highest_precision():
+  """splash_attention_highest's forward and backward kernels are traced under
+  the highest matmul precision (Mosaic's fp32 contract precision on a TPU): on
+  a TPU v5e a context around the call alone left the backward, traced when the
+  VJP is called, at one bfloat16 pass (docs/PEERS.md)."""
+  import jax
+  import jax.numpy as jnp
+  from properties.impls import splash_attention, splash_attention_highest
+  q = jnp.ones((1, 128, 1, 128), jnp.float32)
+
+  def dots(fn):
+    grad = jax.grad(lambda q_: fn(q_, q, q, causal=True).sum())
+    text = str(jax.make_jaxpr(grad)(q))
+    return text.count("dot_general"), text.count("Precision.HIGHEST")
+
+  plain, highest = dots(splash_attention), dots(splash_attention_highest)
+  assert plain[0] >= 5 and plain[1] == 0  # forward, dq and dkv kernels' products
+  assert highest[0] == plain[0] and highest[1] >= highest[0]  # both operands of each
