@@ -132,7 +132,10 @@ def verify_main(argv=None) -> int:
                            f"default is {TIME_BOX_ORACLE_CHUNKS}, more than a box runs, so "
                            "that no worker idles before the deadline")
   parser.add_argument("--case-timeout", type=float, default=None,
-                      help="seconds after which a case counts as hung (gpu profile: 900)")
+                      help="seconds after which a case counts as hung (default: the "
+                           "profile's base, 600 or on gpu/tpu 900, plus a second per 1e8 "
+                           "multiply-adds of the case; under --minutes at most 300 s past "
+                           "the box's end plus that share)")
   parser.add_argument("--failures", default="ua-failures", help="directory of case files")
   parser.add_argument("--database", default=None,
                       help="Hypothesis example database: a directory (default "
@@ -198,7 +201,7 @@ def verify_main(argv=None) -> int:
   chunks = args.oracle_chunks
   if chunks is None and args.minutes is not None:
     chunks = TIME_BOX_ORACLE_CHUNKS
-  timeout = args.case_timeout if args.case_timeout is not None else (900.0 if gpu else None)
+  timeout = args.case_timeout  # None: the profile's, scaled to each case (verifier.case_timeout)
   cache = args.compile_cache or (".ua-jax-cache" if gpu else None)
   threads = args.compile_threads if args.compile_threads is not None else (2 if gpu else 1)
   # ua-verify runs inside the package whose plugin pytest then loads: pytest's

@@ -11,6 +11,7 @@ properties.suite --impl mypkg.mod:fn``. Options:
   --ua-report PATH            JSON report by feature group and property
   --ua-failures DIR           where case files go (default ua-failures)
   --ua-case-timeout SECONDS   a case running longer ends its worker, reported as a failure
+                              (default: the profile's base plus the case's size share)
   --ua-minutes M              time box: no case starts after it
   --ua-database DIR|URL       Hypothesis example database (failures replay first)
   --ua-shared-database DIR|URL  combined with it: a directory read only, a Redis
@@ -59,7 +60,8 @@ def pytest_addoption(parser):
   group.addoption("--ua-report", default=None, help="write the JSON report here")
   group.addoption("--ua-failures", default="ua-failures", help="directory of case files")
   group.addoption("--ua-case-timeout", type=float, default=None,
-                  help="seconds after which a case counts as hung (ends its worker)")
+                  help="seconds after which a case counts as hung (ends its worker); default: "
+                       "the profile's base plus the case's size share (verifier.case_timeout)")
   group.addoption("--ua-minutes", type=float, default=None,
                   help="time box: no case starts after it (tests not started are skipped)")
   group.addoption("--ua-oracle-chunks", type=int, default=None,
@@ -447,6 +449,8 @@ class Suite:
     verifier = Verifier(impl, self.config.getoption("ua_failures"), self.imports,
                         record=lambda r: node.user_properties.append((_RECORD, r)),
                         case_timeout=self.config.getoption("ua_case_timeout"),
+                        timeout_base=self.profile.case_timeout_base, deadline=state.deadline,
+                        announce=_uncaptured_stderr(self.config),
                         worker=getattr(self.config, "workerinput", {}).get("workerid", "main"))
     chunked = prop.name in self.profile.chunked_properties
     seeds_given = self.config.getoption("ua_seeds")
@@ -639,6 +643,20 @@ def _alive(pid) -> bool:
   except (OSError, TypeError, ValueError):
     return False
   return True
+
+
+def _uncaptured_stderr(config):
+  """Writes to the terminal's standard error past pytest's capture: the
+  watchdog's last words before it ends a process whose captured output is lost."""
+  capman = config.pluginmanager.getplugin("capturemanager")
+
+  def write(text: str) -> None:
+    if capman is not None:
+      capman.suspend_global_capture(in_=False)
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+  return write
 
 
 def _crashed_cases(failures_dir: str, since: float) -> list[dict]:

@@ -129,6 +129,9 @@ class Profile:
   # each from its own first configuration; the ci profile's focused tests
   # keep the realistic first values.
   rotate_focused: bool = False
+  # Seconds a case may run before it counts as hung, before its size's share
+  # (verifier.case_timeout): compiled campaigns compile longer kernels.
+  case_timeout_base: float = 600.0
 
   @property
   def hypothesis_name(self) -> str:
@@ -167,13 +170,14 @@ PROFILES = {p.name: p for p in (
         long_properties=("mask_is_exact", "hidden_keys_do_not_leak"),
         chunked_properties=("mask_is_exact", "hidden_keys_do_not_leak"), chunked_examples=15,
         chunked_seeds=24, chunked_focuses=("mask-causal", "mask-window", "mask-segment_ids"),
-        chunked_box_share=0.12, rotate_focused=True),
+        chunked_box_share=0.12, rotate_focused=True, case_timeout_base=900.0),
     # A TPU host: the gpu profile's campaign on the TPU's shapes, in one
     # process (ua-verify --profile tpu runs no xdist workers).
     Profile("tpu", BUCKETS["tpu"], 1.0, dict(
         derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate]),
         oracle_chunks=10, oracle_examples=6, seeds=8, mask_focus_examples=2,
-        long_properties=("mask_is_exact", "hidden_keys_do_not_leak"), rotate_focused=True),
+        long_properties=("mask_is_exact", "hidden_keys_do_not_leak"), rotate_focused=True,
+        case_timeout_base=900.0),
 )}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import threading
 import time
 from typing import Callable
@@ -70,6 +71,29 @@ def replay_command(path: str, impl_name: str, imports=()) -> str:
   return cmd + (f" --import {','.join(imports)}" if imports else "")
 
 
+# A case's time limit (docs/VERIFICATION.md, "Crashes, hangs, replay"): the profile's base
+# (Profile.case_timeout_base: 600 s on a CPU, five times the slowest case seen there, a
+# 110-s compile) plus a second per 1e8 multiply-adds of its attention, B * Hq * T^2 * D
+# (the float64 oracle's share at long T); under a time box, no more than the box's
+# remainder, BOX_GRACE_SECONDS and that size term.
+WORK_PER_SECOND = 1e8
+BOX_GRACE_SECONDS = 300.0
+
+
+def case_timeout(case: Case, base: float, deadline: float | None = None,
+                 now: float | None = None) -> float:
+  """Seconds after which ``case`` counts as hung: ``base`` plus its size's
+  share, and under a time box ending at ``deadline`` (time.time()) at most
+  the box's remainder plus BOX_GRACE_SECONDS and that share, so that a hung
+  case does not outlive a short box by more than the grace."""
+  extra = case.batch * case.num_q_heads * case.seq_len ** 2 * case.head_dim / WORK_PER_SECOND
+  seconds = base + extra
+  if deadline is not None:
+    now = time.time() if now is None else now
+    seconds = min(seconds, max(deadline - now, 0.0) + BOX_GRACE_SECONDS + extra)
+  return seconds
+
+
 class _Watchdog:
   """Marks the case file ``timeout`` and ends the process when a case runs too long."""
 
@@ -85,7 +109,9 @@ class _Watchdog:
     try:
       on_timeout()
     finally:
-      os._exit(70)  # the worker is replaced (pytest-xdist); the campaign goes on
+      # A worker is replaced (pytest-xdist) and the campaign goes on; a run in
+      # one process ends with the failure status, its case file kept.
+      os._exit(70 if os.environ.get("PYTEST_XDIST_WORKER") else 1)
 
   def cancel(self):
     if self._timer is not None:
@@ -105,7 +131,12 @@ class Verifier:
   failures_dir: str = "ua-failures"
   imports: tuple[str, ...] = ()
   record: Callable[[dict], None] | None = None
-  case_timeout: float | None = None
+  case_timeout: float | None = None  # seconds; None: case_timeout() of the case's size
+  timeout_base: float = 600.0  # case_timeout()'s base (the profile's)
+  deadline: float | None = None  # the time box's end (time.time()), if any
+  # Writes the watchdog's last words where the user sees them (the plugin's
+  # lifts pytest's capture first); None: standard error.
+  announce: Callable[[str], None] | None = None
   worker: str = "main"  # the pytest-xdist worker running the checks
 
   def check(self, prop: Property, case: Case) -> list[OutputError]:
@@ -118,7 +149,7 @@ class Verifier:
     write("running")
     start = (time.perf_counter(), clock().mark(), time.time())
     harness_seconds = 0.0
-    watchdog = _Watchdog(None, None)
+    watchdog = self._watchdog(case, write, replay)
     try:
       if prop.oracle:
         with x64(prop.x64):
@@ -127,9 +158,6 @@ class Verifier:
         harness_start = time.perf_counter()
         baseline(case)  # the harness's part, before the implementation's clock starts
         harness_seconds = time.perf_counter() - harness_start
-      watchdog = _Watchdog(self.case_timeout, lambda: write(
-          "timeout", message=f"the implementation ran past the case timeout of "
-                             f"{self.case_timeout} s"))
       errors = prop.check(self.impl, case)
       if not errors:
         raise AssertionError(f"{prop.name} compared nothing on this case")
@@ -159,6 +187,24 @@ class Verifier:
     _remove(path)
     self._record(prop, case, "passed", errors, start, "", harness_seconds=harness_seconds)
     return errors
+
+  def _watchdog(self, case: Case, write, replay: str) -> _Watchdog:
+    """The case's watchdog, from its start (compiles included: a compile can hang too)."""
+    seconds = (case_timeout(case, self.timeout_base, self.deadline)
+               if self.case_timeout is None else
+               min(self.case_timeout, case_timeout(case, self.case_timeout, self.deadline)))
+
+    def on_timeout():
+      message = f"the case ran past its timeout of {seconds:.0f} s (a hang?)"
+      write("timeout", message=message)
+      text = f"\nua: {message}: {replay}\n"
+      if self.announce is not None:
+        self.announce(text)
+      else:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+    return _Watchdog(seconds, on_timeout)
 
   def _record(self, prop, case, status, errors, start, replay, message="", biased=(),
               harness_seconds=0.0):

@@ -73,6 +73,37 @@ def test_a_hanging_case_is_ended_by_its_timeout(tmp_path):
   assert [c["status"] for c in report["crashed"]] == ["timeout"], report
 
 
+def test_a_hang_in_one_process_ends_the_run_with_the_failure_status_and_its_file(tmp_path):
+  """No worker to replace (-n 0, as on a TPU): the watchdog says which case hung
+  and its replay, keeps its file (status timeout) and exits with FAIL's status."""
+  proc, _ = run_suite(tmp_path, "outside_kernels:hanging_attention", "--ua-case-timeout=5",
+                      "-k", "matches_oracle and float32 and not cap and not mask and not long")
+  assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+  [path] = (tmp_path / "failures").glob("*.json")
+  payload = load_case_file(path)
+  assert payload["status"] == "timeout"
+  assert "ran past its timeout of 5 s" in proc.stderr and payload["replay"] in proc.stderr
+
+
+def test_every_case_has_a_timeout_scaled_to_its_size_and_kept_to_the_box():
+  """No profile leaves a case unbounded: the base, a second per 1e8
+  multiply-adds, and under a time box no more than the grace past its end."""
+  from properties.profiles import PROFILES
+  from properties.verifier import BOX_GRACE_SECONDS, case_timeout
+  small = Case(batch=1, seq_len=64, num_q_heads=2, num_kv_heads=2, head_dim=32, dtype="float32")
+  big = dataclasses.replace(small, seq_len=32768, num_q_heads=8, head_dim=128)
+  assert all(p.case_timeout_base > 0 for p in PROFILES.values())
+  assert case_timeout(small, 600.0) == pytest.approx(600.0, abs=0.01)
+  assert case_timeout(big, 600.0) == pytest.approx(600.0 + 8 * 32768 ** 2 * 128 / 1e8)
+  # A one-minute box: a small case started at its start ends at most the grace after it.
+  assert case_timeout(small, 600.0, deadline=1060.0, now=1000.0) == pytest.approx(
+      60.0 + BOX_GRACE_SECONDS, abs=0.01)
+  # One started after the box ended: the grace alone (and its size's share).
+  assert case_timeout(small, 600.0, deadline=1000.0, now=1500.0) == pytest.approx(
+      BOX_GRACE_SECONDS, abs=0.01)
+  assert case_timeout(small, 600.0, deadline=10_000.0, now=0.0) == pytest.approx(600.0, abs=0.01)
+
+
 def test_a_spent_time_box_skips_the_rest(tmp_path):
   proc, report = run_suite(tmp_path, "ua_reference:attention", "--ua-minutes=0",
                            "-k", "deterministic")
