@@ -39,7 +39,7 @@ class Case:
   sm_scale: float | None = None
   z_loss_weight: float = 0.0
   return_lse: bool = False
-  distribution: str = "normal"    # normal | large | ties | saturating
+  distribution: str = "normal"    # normal | large | ties | saturating | offset
   tiles: tuple[int, int] | None = None
   seed: int = 0
 
@@ -121,7 +121,7 @@ class Case:
              "segments": ("none", "packed", "random", "wide"),
              "temperature": ("none", "ones", "uniform", "signed", "extreme", "per_head",
                              "scalar"),
-             "distribution": ("normal", "large", "ties", "saturating")}
+             "distribution": ("normal", "large", "ties", "saturating", "offset")}
     for name, allowed in kinds.items():
       if getattr(self, name) not in allowed:
         return f"{name} must be one of {allowed}, got {getattr(self, name)!r}"

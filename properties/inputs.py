@@ -103,6 +103,38 @@ def _saturating(rng, case: Case):
   return q, k, v_scale * rng.normal(size=(b, t, hkv, d))
 
 
+# The offset distribution: each query row's logits (after sm_scale and temperature) share
+# an offset of 10^3 to 3 x 10^4 in magnitude; the key side's first column, OFFSET_ANCHOR,
+# leaves the query side's within float16's range for |sm_scale| >= 1/32 and temperatures
+# of 1/4 or more.
+OFFSET_RANGE = (1e3, 3e4)
+OFFSET_ANCHOR = 64.0
+
+
+def _offset(rng, case: Case, temperature):
+  """q, k whose logits in each query row share a large offset (random sign,
+  log-uniform in OFFSET_RANGE) over a spread of about one unit: a softmax far
+  from one-hot although its logits are huge, so that its probabilities rest on
+  the last bits of the exp2 argument and of the lse (docs/DEFECTS.md, L1 and
+  D32). The offset rides on the first column (k's is OFFSET_ANCHOR for every
+  key, q's carries the offset), the spread on the others."""
+  b, t, hq, hkv, d = (case.batch, case.seq_len, case.num_q_heads,
+                      case.num_kv_heads, case.head_dim)
+  sm = case.sm_scale if case.sm_scale is not None else 1.0 / math.sqrt(d)
+  lo, hi = OFFSET_RANGE
+  offset = (rng.choice([-1.0, 1.0], size=(b, t, hq))
+            * np.exp(rng.uniform(math.log(lo), math.log(hi), size=(b, t, hq))))
+  temp = 1.0 if temperature is None else np.broadcast_to(temperature, (b, t, hq))
+  first = offset / (np.where(temp == 0, 1.0, temp) * sm * OFFSET_ANCHOR)
+  q = rng.normal(size=(b, t, hq, d))
+  k = rng.normal(size=(b, t, hkv, d))
+  # float16 holds at most 65504: a small temperature times a small scale would need
+  # more, and gets a smaller offset.
+  q[..., 0] = np.clip(first, -6e4, 6e4) if case.dtype == "float16" else first
+  k[..., 0] = OFFSET_ANCHOR
+  return q, k
+
+
 def make_inputs(case: Case) -> dict:
   """q, k, v (case dtype), segment_ids, temperature, dout, dlse as numpy,
   read-only: the last few cases' are kept, since one oracle check asks for its
@@ -127,12 +159,18 @@ def _draw(case: Case) -> dict:
                       case.num_kv_heads, case.head_dim)
   if case.distribution == "saturating":
     q, k, v = (x.astype(dtype) for x in _saturating(rng, case))
+  elif case.distribution == "offset":
+    # The offset is of the logits as scaled: the temperature is drawn first.
+    temp = _temperature(rng, case)
+    q, k = (x.astype(dtype) for x in _offset(rng, case, temp))
+    v = rng.normal(size=(b, t, hkv, d)).astype(dtype)
   else:
     q = _values(rng, (b, t, hq, d), case.distribution).astype(dtype)
     k = _values(rng, (b, t, hkv, d), case.distribution).astype(dtype)
     v = rng.normal(size=(b, t, hkv, d)).astype(dtype)
   seg = None if case.segments == "none" else _segments(rng, case)
-  temp = _temperature(rng, case)
+  if case.distribution != "offset":
+    temp = _temperature(rng, case)
   dout = rng.normal(size=(b, t, hq, d)).astype(dtype)
   dlse = rng.normal(size=(b, hq, t)).astype(np.float32)
   return {"q": q, "k": k, "v": v, "segment_ids": seg, "temperature": temp,
@@ -144,5 +182,7 @@ def logit_scale(case: Case) -> float:
   sm = case.sm_scale if case.sm_scale is not None else 1.0 / math.sqrt(case.head_dim)
   # saturating: caps up to 2*24 = 48 logit units, all reached (its logits are
   # in the hundreds); caps of 24 give a fixed shift whose bounds are far apart.
+  if case.distribution == "offset":  # the offsets' geometric middle, before temperature
+    return math.sqrt(OFFSET_RANGE[0] * OFFSET_RANGE[1])
   spread = {"normal": 1.0, "large": 8.0, "ties": 1.0, "saturating": 24.0}[case.distribution]
   return abs(sm) * spread * math.sqrt(case.head_dim)

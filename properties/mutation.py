@@ -181,6 +181,12 @@ MUTANTS = [
            'register_fast_form("tanh", *tanh_cap(approx_tanh, lambda y, t: 1.0 - t * t))',
            "bfloat16 fast tanh cap's derivative as 1 - t^2 of the fast t (0 where the logits "
            "saturate: dq and dk toward zero)"),
+    Mutant("M37", TILE_MATH,
+           "  ds = p * (dp - along_queries(delta, p, logits.query_axis))\n",
+           "  ds = p * (dp - along_queries(delta, p, logits.query_axis))\n"
+           "  ds = jnp.where(jnp.abs(logits.scores * logits.scale) > 1e4 * LOG2E, ds * 1.01, ds)\n",
+           "planted: the logits' gradient 1% too large where |logit| passes 1e4 (only large "
+           "logits show it)"),
     Mutant("M19", SOFTMAX_STATE, "m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)", "m_safe = m_new",
            "no guard for rows whose keys in a tile are all hidden (NaN)"),
     # --- defects small in max-abs error (docs/TOLERANCES.md, "Exact mask") ---
@@ -267,6 +273,7 @@ FIRST_TESTS = {
     "M32": _case("original-B33-float16-ds-below-normal-dk-bias"),
     "M28": _case("original-O1-mask-before-cap"),
     "M29": _case("precision-bfloat16-fast-tanh-huge-cap"),
+    "M37": _case("mutant-M37-float16-offset-logits-dk-bias"),
     "M30": _case("precision-float16-ds-overflow-zloss-temperature"),
     "M33": _case("original-B33-float16-ds-below-normal-dk-bias"),
     "M34": _case("original-B33-bfloat16-hard-cap-large-out-bias"),
