@@ -15,11 +15,10 @@ import time
 
 from .loading import DEFAULT_IMPL, import_modules
 
-# Oracle-property tests per dtype in a time-boxed campaign. The gpu profile's
-# own 10 chunks hold 1080 oracle cases; two H200s ran 1010 of them in a 3.5
-# minute box and then stood idle for a third of their worker time
-# (docs/VERIFICATION.md). 100 chunks hold 10,800, an hour of one GPU; tests
-# the box does not reach are skipped at no cost.
+# Oracle-property tests per dtype in a time-boxed campaign: more than any box
+# reaches, so that no worker runs out of tests before the deadline (the gpu
+# profile's own 10 chunks left two GPUs idle for a third of a short box:
+# docs/VERIFICATION.md); tests the box does not reach are skipped at no cost.
 TIME_BOX_ORACLE_CHUNKS = 100
 
 PROFILE_NAMES = ("ci", "dev", "fuzz", "gpu", "tpu")

@@ -67,7 +67,7 @@ def install_xprof_stub() -> None:
   pkg.cli, cli.tools = cli, tools
 
   def get_kernel_stats_tool(*_a, **_k):
-    raise RuntimeError("xprof is not installed (stub from adapter.install_xprof_stub)")
+    raise RuntimeError("xprof is not installed (stub from properties.impls_tokamax.install_xprof_stub)")
 
   tools.get_kernel_stats_tool = get_kernel_stats_tool
   sys.modules.update({"xprof": pkg, "xprof.cli": cli, "xprof.cli.tools": tools})
