@@ -97,21 +97,20 @@ def case_timeout(case: Case, base: float, deadline: float | None = None,
 class _Watchdog:
   """Marks the case file ``timeout`` and ends the process when a case runs too long."""
 
-  def __init__(self, seconds: float | None, on_timeout: Callable[[], None]):
+  def __init__(self, seconds: float | None, on_timeout: Callable[[], None],
+               exit_status: int = 70):
     self._timer = None
     if seconds:
-      self._timer = threading.Timer(seconds, self._fire, args=(on_timeout,))
+      self._timer = threading.Timer(seconds, self._fire, args=(on_timeout, exit_status))
       self._timer.daemon = True
       self._timer.start()
 
   @staticmethod
-  def _fire(on_timeout):
+  def _fire(on_timeout, exit_status):
     try:
       on_timeout()
     finally:
-      # A worker is replaced (pytest-xdist) and the campaign goes on; a run in
-      # one process ends with the failure status, its case file kept.
-      os._exit(70 if os.environ.get("PYTEST_XDIST_WORKER") else 1)
+      os._exit(exit_status)
 
   def cancel(self):
     if self._timer is not None:
@@ -204,7 +203,9 @@ class Verifier:
         sys.stderr.write(text)
         sys.stderr.flush()
 
-    return _Watchdog(seconds, on_timeout)
+    # A worker is replaced (pytest-xdist) and the campaign goes on; a run in one
+    # process ends with the failure status, its case file kept.
+    return _Watchdog(seconds, on_timeout, 70 if self.worker != "main" else 1)
 
   def _record(self, prop, case, status, errors, start, replay, message="", biased=(),
               harness_seconds=0.0):
