@@ -125,7 +125,7 @@ def _offset(rng, case: Case, temperature):
   offset = (rng.choice([-1.0, 1.0], size=(b, t, hq))
             * np.exp(rng.uniform(math.log(lo), math.log(hi), size=(b, t, hq))))
   temp = 1.0 if temperature is None else np.broadcast_to(temperature, (b, t, hq))
-  first = offset / (np.where(temp == 0, 1.0, temp) * sm * OFFSET_ANCHOR)
+  first = offset / (temp * sm * OFFSET_ANCHOR)  # no temperature kind draws 0
   q = rng.normal(size=(b, t, hq, d))
   k = rng.normal(size=(b, t, hkv, d))
   # float16 holds at most 65504: a small temperature times a small scale would need
