@@ -1,29 +1,38 @@
-"""The indexes of the result folders, written from the files' own provenance.
+"""The result folders keep one report per kind of run, and a summary table of them.
 
-    python -m benchmarks.index            # rewrite both indexes
-    python -m benchmarks.index --check    # exit 1, naming each file whose row is
-                                          # missing, stale or orphaned, if a
-                                          # committed index differs
+    python -m benchmarks.index            # rewrite both summary tables
+    python -m benchmarks.index --check    # exit 1, naming each problem, if a folder holds
+                                          # a superseded or uncompressed report, or a
+                                          # committed table differs from what it would write
+    python -m benchmarks.index --prune    # delete the superseded reports, gzip uncompressed
+                                          # JSON, then rewrite the tables
 
-Indexes: benchmarks/results/README.md (every ``*.json`` under
-benchmarks/results/, one row each) and docs/verification/README.md (every file
-under docs/verification/h200/, cpu/ and tpu/). Each row holds only
-what the file itself records: a JSON file's ``measured``, ``commit``,
-``command``, ``gpu`` (or ``machine``) and ``versions["jax"]``, read at its top
-level or under its ``provenance``; the ``--set`` of its command; the other
-top-level keys it carries; for campaign reports their totals. A text file's
-row quotes its ``#`` header lines. A field the file lacks is "—", never taken
-from the file's name or another file.
+Folders: benchmarks/results/ (ua-bench, the tile sweep, ncu probes, A/B runs) and
+docs/verification/h200/, cpu/ and tpu/ (campaign reports and logs of the suite).
+``KINDS`` names every kind of run by a pattern on the file name
+(``<date>-<commit>-<what>[.json.gz|.txt]``); a folder keeps only the newest file of each
+kind (the latest date in its name, then the latest ``measured`` it records, then the
+name). An older report of a kind leaves the tree when a newer one is added: git history
+keeps it (``git log --all -- <path>`` finds it). JSON reports are kept gzip-compressed
+(``.json.gz``); text logs stay as they are.
 
-Everything above the BEGIN marker and below the END marker of an index is
-hand-written and kept as it is; only the part between them is generated. This
-module reads files only (json, no jax), so tests/test_result_indexes.py can run
-``--check`` on every CI run.
+Each folder's README.md holds one generated row per kept file: the kind, the file and
+what the file itself records (``measured``, ``commit``, ``command``, ``gpu`` or
+``machine``, ``versions``, read at its top level or under its ``provenance``) and
+headline figures computed from its data (a campaign report's totals, a benchmark's
+ranges of ua_kernels' times, an A/B's ratios). A field the file lacks is "—", never
+taken from the file's name or another file.
+
+Everything above the BEGIN marker and below the END marker of a README is hand-written
+and kept as it is; only the part between them is generated. This module reads files
+only (json and gzip, no jax), so tests/test_result_indexes.py can run ``--check`` on
+every CI run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 import sys
@@ -37,18 +46,31 @@ NONE = "—"
 # Cells longer than this are cut (ending in "…"); the file has the whole text.
 MAX_CELL = 160
 _SHA = re.compile(r"^[0-9a-f]{7,40}$")
+_DATE = re.compile(r"^(\d{4}-\d{2}-\d{2})-")
+SUFFIXES = (".json.gz", ".json", ".txt")
+
+
+@dataclass(frozen=True)
+class Kind:
+  """A kind of run: the files of ``folder`` (relative to the index's README) whose
+  name matches ``pattern`` (``re.search``), the first kind of the list that matches."""
+  name: str
+  folder: str
+  pattern: str
+  what: str
 
 
 @dataclass(frozen=True)
 class Index:
-  """One generated index: ``readme`` lists the files of ``folders`` (relative
-  to the root) that match ``pattern``; ``default_header`` opens a new index."""
+  """One generated summary: ``readme`` lists the newest file of each of ``kinds``."""
   name: str
   readme: str
-  folders: tuple[str, ...]
-  pattern: str
-  columns: tuple[str, ...]
+  kinds: tuple[Kind, ...]
   default_header: str
+
+  @property
+  def base(self) -> Path:
+    return (ROOT / self.readme).parent
 
 
 def _cell(value) -> str:
@@ -68,6 +90,21 @@ def _code(value) -> str:
   return f"`{cell}`" if "`" not in cell else cell
 
 
+def _commit(value) -> str:
+  if isinstance(value, str) and _SHA.match(value):
+    return f"`{value[:7]}`"
+  return _cell(value)
+
+
+def load(path: Path):
+  """A report's JSON (``.json`` or ``.json.gz``); None for a text file."""
+  if path.name.endswith(".json.gz"):
+    return json.loads(gzip.decompress(path.read_bytes()).decode("utf-8"))
+  if path.suffix == ".json":
+    return json.loads(path.read_text(encoding="utf-8"))
+  return None
+
+
 def _provenance(data: dict) -> dict:
   """The provenance fields: top-level ones, else those under ``provenance``."""
   nested = data.get("provenance") if isinstance(data.get("provenance"), dict) else {}
@@ -76,124 +113,180 @@ def _provenance(data: dict) -> dict:
   return merged
 
 
-def _commit(value) -> str:
-  if isinstance(value, str) and _SHA.match(value):
-    return f"`{value[:7]}`"
-  return _cell(value)
-
-
-def _set(command) -> str:
-  if not isinstance(command, str):
-    return NONE
-  match = re.search(r"--set[ =](\S+)", command)
-  return f"`{match.group(1)}`" if match else NONE
-
-
-def _jax(fields: dict) -> str:
+def _versions(fields: dict) -> str:
   versions = fields.get("versions")
-  if isinstance(versions, dict) and versions.get("jax"):
-    return _cell(versions["jax"])
-  return NONE
+  if not isinstance(versions, dict):
+    return NONE
+  parts = [f"{name} {versions[name]}" for name in ("jax", "jaxlib", "triton", "python")
+           if versions.get(name)]
+  return _cell(", ".join(parts)) if parts else NONE
 
 
-_PROVENANCE_KEYS = {"provenance", "commit", "command", "gpu", "machine", "versions", "measured"}
-
-
-_REPORT_KEYS = {"cases", "oracle_cases", "seconds", "cases_per_minute",
-                "oracle_cases_per_minute", "feature_groups", "properties", "failures",
-                "crashed", "impl", "profile", "exit_status"}
-
-
-def _carries(data: dict) -> str:
-  keys = [k for k in data if k not in _PROVENANCE_KEYS]
-  if _report(data) is data:
-    keys = ["a campaign report at its top level"] + [k for k in keys if k not in _REPORT_KEYS]
-  return _cell(", ".join(keys)) if keys else NONE
-
-
-def _report(fields: dict) -> dict | None:
+def _report(data: dict) -> dict | None:
   """A campaign report: the file's ``report``, or the file itself when it is one."""
-  report = fields.get("report")
+  report = data.get("report")
   if isinstance(report, dict) and "oracle_cases" in report:
     return report
-  if "oracle_cases" in fields and "feature_groups" in fields:
-    return fields
+  if "oracle_cases" in data and "feature_groups" in data:
+    return data
   return None
 
 
-def _totals(fields: dict) -> str:
-  report = _report(fields)
-  if report is None:
-    return NONE
-  failures = report.get("failures")
-  failed = len(failures) if isinstance(failures, list) else failures
-  parts = [f"{report.get('cases', NONE)} cases", f"{report.get('oracle_cases', NONE)} oracle",
-           f"{failed if failed is not None else NONE} failed",
-           f"{report.get('seconds', NONE)} s"]
-  return _cell(", ".join(str(p) for p in parts))
+def _span(values: list[float], unit: str) -> str:
+  low, high = min(values), max(values)
+  return f"{low:.3g} {unit}" if low == high else f"{low:.3g}-{high:.3g} {unit}"
 
 
-def _text_header(path: Path) -> str:
-  lines = []
-  for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+def _number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def headline(data) -> str:
+  """The file's headline figures, computed from its data."""
+  if not isinstance(data, dict):
+    return _cell(type(data).__name__)
+  report = _report(data)
+  if report is not None:
+    failures = report.get("failures")
+    failed = len(failures) if isinstance(failures, list) else failures
+    parts = [f"{report.get('cases', NONE)} cases", f"{report.get('oracle_cases', NONE)} oracle"]
+    if _number(report.get("oracle_cases_per_minute")):
+      parts[-1] += f" ({report['oracle_cases_per_minute']:.1f}/min)"
+    parts.append(f"{failed if failed is not None else NONE} failed")
+    if _number(report.get("seconds")):
+      parts.append(f"{report['seconds']:.1f} s")
+    if report.get("exit_status") is not None:
+      parts.append(f"exit {report['exit_status']}")
+    return _cell(", ".join(parts))
+  rows = data.get("rows")
+  if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
+    ours = [r for r in rows if r.get("impl") == "ua_kernels"] or rows
+    cases = {r.get("case") for r in ours if r.get("case") is not None}
+    parts = []
+    for key, label, unit in (("fwd_ms", "fwd", "ms"), ("fwd_bwd_ms", "fwd+bwd", "ms"),
+                             ("lower_s", "lower", "s"), ("compile_s", "compile", "s")):
+      values = [r[key] for r in ours if _number(r.get(key))]
+      if values:
+        parts.append(f"{label} {_span(values, unit)}")
+    for key, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
+      ratios = [r[key]["new/base"] for r in ours
+                if isinstance(r.get(key), dict) and _number(r[key].get("new/base"))]
+      if ratios:
+        parts.append(f"{label} new/base {_span(ratios, '').strip()}")
+    if parts:
+      who = "ua_kernels" if ours is not rows else "rows"
+      count = f"{len(cases)} cases" if cases else f"{len(ours)} rows"
+      return _cell(f"{who}, {count}: " + "; ".join(parts))
+  keys = [k for k in data if k not in ("provenance", "commit", "command", "gpu", "machine",
+                                       "versions", "measured")]
+  return _cell("carries " + ", ".join(keys)) if keys else NONE
+
+
+def _text_fields(path: Path) -> tuple[dict, str]:
+  """A text file's ``# key: value`` header lines (commit, gpu, measured, command) as
+  fields; its other header lines and its last line with words in it as the headline."""
+  lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+  fields, other = {}, []
+  for line in lines:
     if not line.startswith("#"):
       break
-    lines.append(line.lstrip("#").strip())
-  return _cell(" ".join(lines)) if lines else NONE
+    text = line.lstrip("#").strip()
+    match = re.match(r"^(commit|gpu|machine|measured|command):\s*(.*)$", text)
+    if match and match.group(1) not in fields:
+      fields[match.group(1)] = match.group(2)
+    else:
+      other.append(text)
+  body = [line.strip() for line in lines
+          if line.strip() and not line.startswith("#") and re.search(r"[A-Za-z]", line)]
+  parts = ["text"] + ([f"its last line: {body[-1]}"] if body else []) + other
+  return fields, "; ".join(parts)
 
 
-def _row(index: Index, path: Path) -> list[str]:
-  rel = path.relative_to((ROOT / index.readme).parent).as_posix()
-  link = f"[`{rel}`]({rel})"
-  if path.suffix != ".json":
-    header = _text_header(path)
-    values = {"measured": NONE, "commit": NONE, "set": NONE, "command": NONE, "gpu": NONE,
-              "jax": NONE, "totals": NONE,
-              "carries": f"text; its header: {header}" if header != NONE else "text"}
-    return [link] + [values[c] for c in index.columns]
+def _measured(path: Path) -> str:
   try:
-    data = json.loads(path.read_text(encoding="utf-8"))
-  except (ValueError, UnicodeDecodeError) as error:
-    return [link] + [NONE] * (len(index.columns) - 1) + [_cell(f"unreadable JSON: {error}")]
-  if not isinstance(data, dict):
-    return [link] + [NONE] * (len(index.columns) - 1) + [_cell(type(data).__name__)]
-  fields = _provenance(data)
-  values = {
-      "measured": _cell(fields.get("measured")),
-      "commit": _commit(fields.get("commit")),
-      "set": _set(fields.get("command")),
-      "command": _code(fields.get("command")),
-      "gpu": _cell(fields.get("gpu") or fields.get("machine")),
-      "jax": _jax(fields),
-      "totals": _totals(fields),
-      "carries": _carries(data),
-  }
-  return [link] + [values[c] for c in index.columns]
-
-
-_TITLES = {"measured": "measured", "commit": "commit", "set": "`--set`", "command": "command",
-           "gpu": "GPU / machine", "jax": "jax", "totals": "campaign totals",
-           "carries": "carries"}
+    data = load(path)
+  except (ValueError, UnicodeDecodeError, OSError):
+    return ""
+  if isinstance(data, dict):
+    value = _provenance(data).get("measured")
+    return value if isinstance(value, str) else ""
+  return ""
 
 
 def files(index: Index) -> list[Path]:
+  """Every result file under the index's folders (not README.md)."""
   found = []
-  for folder in index.folders:
-    base = ROOT / folder
-    if base.is_dir():
-      found += [p for p in base.rglob(index.pattern) if p.is_file() and p.name != "README.md"]
-  return sorted(found, key=lambda p: p.relative_to(ROOT).as_posix())
+  for kind_folder in sorted({k.folder for k in index.kinds}):
+    folder = index.base / kind_folder
+    if folder.is_dir():
+      found += [p for p in folder.iterdir() if p.is_file() and p.name != "README.md"]
+  return sorted(set(found), key=lambda p: p.relative_to(index.base).as_posix())
+
+
+def kind_of(index: Index, path: Path) -> Kind | None:
+  folder = path.parent.relative_to(index.base).as_posix()
+  for kind in index.kinds:
+    if kind.folder == folder and re.search(kind.pattern, path.name):
+      return kind
+  return None
+
+
+def _age(path: Path) -> tuple:
+  match = _DATE.match(path.name)
+  return (match.group(1) if match else "", _measured(path), path.name)
+
+
+def grouped(index: Index) -> dict[str, list[Path]]:
+  """Each kind's files, the newest first (kinds without a file left out)."""
+  groups: dict[str, list[Path]] = {}
+  for path in files(index):
+    kind = kind_of(index, path)
+    if kind is not None:
+      groups.setdefault(kind.name, []).append(path)
+  return {name: sorted(paths, key=_age, reverse=True) for name, paths in groups.items()}
+
+
+def _rel(index: Index, path: Path) -> str:
+  return path.relative_to(index.base).as_posix()
+
+
+def _row(index: Index, kind: Kind, path: Path) -> list[str]:
+  rel = _rel(index, path)
+  link = f"[`{rel}`]({rel})"
+  if not path.name.endswith((".json", ".json.gz")):
+    fields, rest = _text_fields(path)
+    commit = fields.get("commit", "")
+    return [kind.name, link, _cell(fields.get("measured")),
+            _commit(commit) if _SHA.match(commit) else _cell(commit),
+            _code(fields.get("command")), NONE, _cell(fields.get("gpu") or fields.get("machine")),
+            _cell(rest)]
+  try:
+    data = load(path)
+  except (ValueError, UnicodeDecodeError, OSError) as error:
+    return [kind.name, link] + [NONE] * 6 + [_cell(f"unreadable JSON: {error}")]
+  fields = _provenance(data) if isinstance(data, dict) else {}
+  return [kind.name, link, _cell(fields.get("measured")), _commit(fields.get("commit")),
+          _code(fields.get("command")), _versions(fields),
+          _cell(fields.get("gpu") or fields.get("machine")),
+          headline(data)]
+
+
+HEAD = ("kind", "file", "measured", "commit", "command", "versions", "GPU / machine",
+        "headline figures")
 
 
 def table(index: Index) -> list[str]:
-  """The generated lines: a count, the table, one row per file."""
-  paths = files(index)
-  head = ["file"] + [_TITLES[c] for c in index.columns]
-  lines = [f"{len(paths)} files, one row each, as `python -m benchmarks.index` reads them "
-           f"(\"{NONE}\": the file does not record it; cells cut at {MAX_CELL} characters end "
-           f"in \"…\"; `carries`: the file's other top-level keys).", "",
-           "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-  lines += ["| " + " | ".join(_row(index, p)) + " |" for p in paths]
+  """The generated lines: one row per kind that has a file, its newest file."""
+  groups = grouped(index)
+  kinds = [k for k in index.kinds if k.name in groups]
+  lines = [f"{len(kinds)} kinds of run, the newest file of each, as `python -m benchmarks.index` "
+           f"reads them (\"{NONE}\": the file does not record it; cells cut at {MAX_CELL} "
+           "characters end in \"…\").", "",
+           "| " + " | ".join(HEAD) + " |", "|" + " --- |" * len(HEAD)]
+  lines += ["| " + " | ".join(_row(index, k, groups[k.name][0])) + " |" for k in kinds]
+  lines += ["", "The kinds (a file's kind: the first whose pattern its name matches):", "",
+            "| kind | folder | name pattern | what |", "| --- | --- | --- | --- |"]
+  lines += [f"| {k.name} | `{k.folder}/` | `{k.pattern}` | {_cell(k.what)} |" for k in index.kinds]
   return lines
 
 
@@ -207,8 +300,8 @@ def _split(text: str) -> tuple[str, str] | None:
 
 
 def render(index: Index) -> str:
-  """The index as it should be: the committed header and footer kept, the
-  table between them written afresh."""
+  """The summary as it should be: the committed header and footer kept, the table
+  between them written afresh."""
   path = ROOT / index.readme
   parts = _split(path.read_text(encoding="utf-8")) if path.exists() else None
   header, footer = parts if parts else (index.default_header, "\n")
@@ -218,53 +311,136 @@ def render(index: Index) -> str:
 def _rows_by_file(text: str) -> dict[str, str]:
   rows = {}
   for line in text.splitlines():
-    match = re.match(r"^\| \[`([^`]+)`\]", line)
+    match = re.match(r"^\| [^|]+ \| \[`([^`]+)`\]", line)
     if match:
       rows[match.group(1)] = line
   return rows
 
 
 def problems(index: Index) -> list[str]:
-  """What differs between the committed index and what this module writes,
-  one line per file where a row differs."""
+  """Each way the folder or its committed summary differs from the scheme, one line each."""
+  out = []
+  for path in files(index):
+    rel = _rel(index, path)
+    if kind_of(index, path) is None:
+      out.append(f"{index.readme}: {rel} is of no kind (name one in benchmarks/index.py KINDS)")
+    elif not path.name.endswith((".json.gz", ".txt")):
+      out.append(f"{index.readme}: {rel} is not compressed (gzip it: --prune)")
+  for name, paths in grouped(index).items():
+    for old in paths[1:]:
+      out.append(f"{index.readme}: {_rel(index, old)} is superseded by "
+                 f"{_rel(index, paths[0])} ({name}; git rm it, or --prune)")
   path = ROOT / index.readme
   if not path.exists():
-    return [f"{index.readme}: missing (run python -m benchmarks.index)"]
+    return out + [f"{index.readme}: missing (run python -m benchmarks.index)"]
   committed = path.read_text(encoding="utf-8")
   if _split(committed) is None:
-    return [f"{index.readme}: no generated part (markers {BEGIN!r} / {END!r})"]
+    return out + [f"{index.readme}: no generated part (markers {BEGIN!r} / {END!r})"]
   wanted = render(index)
   if committed == wanted:
-    return []
+    return out
   have, want = _rows_by_file(committed), _rows_by_file(wanted)
-  out = []
+  found = []
   for name in sorted(want.keys() - have.keys()):
-    out.append(f"{index.readme}: no row for {name}")
+    found.append(f"{index.readme}: no row for {name}")
   for name in sorted(have.keys() - want.keys()):
-    out.append(f"{index.readme}: row for {name}, which is not a file there")
+    found.append(f"{index.readme}: row for {name}, which is not the newest file of its kind")
   for name in sorted(have.keys() & want.keys()):
     if have[name] != want[name]:
-      out.append(f"{index.readme}: stale row for {name} (the file's provenance changed)")
-  if not out:
-    out.append(f"{index.readme}: generated part differs (order, count or format)")
-  return out
+      found.append(f"{index.readme}: stale row for {name} (the file's provenance changed)")
+  if not found:
+    found.append(f"{index.readme}: generated part differs (order, count or format)")
+  return out + found
+
+
+def prune(index: Index) -> list[str]:
+  """Delete each kind's superseded files and gzip uncompressed JSON; what was done."""
+  done = []
+  for paths in grouped(index).values():
+    for old in paths[1:]:
+      old.unlink()
+      done.append(f"removed {_rel(index, old)}")
+  for path in files(index):
+    if path.suffix == ".json" and kind_of(index, path) is not None:
+      target = path.with_name(path.name + ".gz")
+      target.write_bytes(gzip.compress(path.read_bytes(), compresslevel=9, mtime=0))
+      path.unlink()
+      done.append(f"compressed {_rel(index, path)} -> {target.name}")
+  return done
+
+
+def _h200(name: str, pattern: str, what: str) -> Kind:
+  return Kind(name, "h200", pattern, what)
 
 
 INDEXES = (
     Index(
         name="benchmark results",
         readme="benchmarks/results/README.md",
-        folders=("benchmarks/results",),
-        pattern="*.json",
-        columns=("measured", "commit", "set", "command", "gpu", "jax", "carries"),
+        kinds=(
+            _h200("bench-targets", r"-bench-targets\.json", "`ua-bench --set targets`, bfloat16, "
+                  "every shape of the speed targets"),
+            _h200("bench-targets-f16", r"-bench-targets-f16\.json",
+                  "`ua-bench --set targets --dtype float16`, every shape"),
+            _h200("bench-targets-rerun", r"-bench-targets-(?!f16)",
+                  "`ua-bench --set targets --cases ...`, bfloat16: some shapes run again"),
+            _h200("bench-targets-f16-rerun", r"-bench-targets-f16-",
+                  "the same, float16: some shapes run again"),
+            _h200("bench-features", r"-bench-features", "`ua-bench --set features`"),
+            _h200("bench-quick", r"-bench-quick", "`ua-bench --set quick`"),
+            _h200("bench-extra", r"-bench-extra", "`ua-bench --set extra`"),
+            _h200("bench-docs", r"-bench-docs", "`ua-bench --set docs`"),
+            _h200("ab", r"-ab-", "`python -m benchmarks.ab`: an A/B of two kernel trees in one process"),
+            _h200("ncu", r"-ncu-", "an Nsight Compute probe (its source in the file)"),
+            _h200("tune", r"-tune", "`python -m benchmarks.tune`: the tile sweep"),
+            _h200("breakdown", r"-breakdown", "`python -m benchmarks.breakdown`"),
+            _h200("gpu-smoke", r"-gpu-smoke", "`python -m benchmarks.gpu_smoke`"),
+            _h200("gpu-suite", r"-gpu-suite", "the property tests under the gpu profile"),
+            _h200("peers-anchor", r"-peers-anchor", "the peers' times alone"),
+            _h200("context-parallel", r"-context-parallel",
+                  "`benchmarks/context_parallel.py` on the GPU"),
+            _h200("compile-log", r"-compile-log", "a campaign worker's compile log"),
+            _h200("h200-probe", r".", "any other probe on the GPU (its script in the file)"),
+            Kind("context-parallel-compile", "cpu", r"-context-parallel-compile",
+                 "`benchmarks/context_parallel.py --compile` on a CPU"),
+            Kind("cpu-probe", "cpu", r".", "any other probe on a CPU"),
+        ),
         default_header="# Benchmark results\n\n",
     ),
     Index(
         name="verification reports",
         readme="docs/verification/README.md",
-        folders=("docs/verification/h200", "docs/verification/cpu", "docs/verification/tpu"),
-        pattern="*",
-        columns=("measured", "commit", "command", "gpu", "jax", "totals", "carries"),
+        kinds=(
+            _h200("campaign-warm", r"-campaign-gpu-1gpu-.*-warm\.",
+                  "`ua-verify --profile gpu --gpus 1`, the compile cache and example database "
+                  "of the cold run before it"),
+            _h200("campaign-2gpu", r"-campaign-gpu-2gpu", "`ua-verify --profile gpu --gpus 2`"),
+            _h200("campaign-cold", r"-campaign-gpu(-1gpu)?[-.]",
+                  "`ua-verify --profile gpu --gpus 1` of `ua_kernels:attention`, an empty "
+                  "compile cache"),
+            _h200("campaign-mosaic", r"-campaign-mosaic",
+                  "`ua-verify --impl ua_kernels.backends:mosaic_attention --profile gpu`"),
+            _h200("peer-cudnn", r"-peer-cudnn", "`ua-verify --impl properties.impls:jax_nn_cudnn`"),
+            _h200("peer-mha", r"-peer-mha", "`ua-verify --impl properties.impls:pallas_triton_mha`"),
+            _h200("peer-tokamax", r"-peer-tokamax",
+                  "`ua-verify --impl properties.impls_tokamax:tokamax_attention`"),
+            _h200("peer-xla", r"-peer-xla", "`ua-verify --impl properties.impls:jax_nn_attention`"),
+            _h200("test-mosaic", r"-test-mosaic", "`pytest tests/test_mosaic.py` on the GPU (log)"),
+            _h200("h200-other", r".", "any other run on the GPU: a replay, a probe, a log"),
+            Kind("splash-tpu", "tpu", r"-splash-tpu",
+                 "`ua-verify --impl properties.impls:splash_attention --profile tpu`"),
+            Kind("splash-highest-tpu", "tpu", r"-splash-highest-tpu",
+                 "`ua-verify --impl properties.impls:splash_attention_highest --profile tpu`"),
+            Kind("tpu-other", "tpu", r".", "any other run on a TPU"),
+            Kind("splash-ci", "cpu", r"-splash-ci",
+                 "`ua-verify --impl properties.impls:splash_attention --profile ci` (interpret mode)"),
+            Kind("mutants", "cpu", r"-mutants\.txt", "`ua-mutate` (its output)"),
+            Kind("context-parallel-2dev", "cpu", r"-context-parallel-2dev",
+                 "`ua-verify --impl ua_kernels.context_parallel:on_2_devices`"),
+            Kind("context-parallel-4dev", "cpu", r"-context-parallel-4dev",
+                 "`ua-verify --impl ua_kernels.context_parallel:on_4_devices`"),
+            Kind("cpu-other", "cpu", r".", "any other run on a CPU"),
+        ),
         default_header="# Verification reports\n\n",
     ),
 )
@@ -273,27 +449,35 @@ INDEXES = (
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks.index", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--check", action="store_true",
-                      help="write nothing; exit 1 if a committed index differs from what "
-                           "would be written, naming each file whose row is missing or stale")
+  mode = parser.add_mutually_exclusive_group()
+  mode.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 if a folder holds a superseded or uncompressed "
+                         "report or a committed summary differs from what would be written")
+  mode.add_argument("--prune", action="store_true",
+                    help="delete superseded reports and gzip uncompressed JSON, then write "
+                         "the summaries")
   args = parser.parse_args(argv)
   if args.check:
     found = [line for index in INDEXES for line in problems(index)]
     for line in found:
       print(line, file=sys.stderr)
     if found:
-      print("run: python -m benchmarks.index", file=sys.stderr)
+      print("run: python -m benchmarks.index --prune (then git rm what it removed)",
+            file=sys.stderr)
       return 1
-    print(f"{len(INDEXES)} indexes up to date")
+    print(f"{len(INDEXES)} summaries up to date")
     return 0
   for index in INDEXES:
+    if args.prune:
+      for line in prune(index):
+        print(f"{index.readme}: {line}")
     path = ROOT / index.readme
     text = render(index)
     if not path.exists() or path.read_text(encoding="utf-8") != text:
       path.write_text(text, encoding="utf-8")
-      print(f"wrote {index.readme} ({len(files(index))} files)")
+      print(f"wrote {index.readme} ({len(grouped(index))} kinds)")
     else:
-      print(f"{index.readme} up to date ({len(files(index))} files)")
+      print(f"{index.readme} up to date ({len(grouped(index))} kinds)")
   return 0
 
 
