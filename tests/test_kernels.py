@@ -165,9 +165,10 @@ def test_fixed_shift_only_where_the_cap_bounds_the_range():
   assert fixed_shift(tanh30, jnp.float16, False) is None
   assert fixed_shift(tanh30, jnp.bfloat16, True) is None
   assert fixed_shift(_cap_spec("none", ()), jnp.bfloat16, False) is None
-  # asym_tanh: logits in [-c_neg, c_pos]; the shift is their midpoint, base 2.
+  # asym_tanh: logits in [-c_neg, c_pos]; the shift is their midpoint, in the
+  # scores' units: the first parameter, 30, is folded into the exp2's scale.
   shift = fixed_shift(_cap_spec("asym_tanh", (30.0, 10.0)), jnp.bfloat16, False)
-  np.testing.assert_allclose(shift, 10.0 * LOG2E, rtol=1e-12)
+  np.testing.assert_allclose(shift * 30.0, 10.0, rtol=1e-12)
   widest = FIXED_SHIFT_MAX_SPAN / (2 * LOG2E)  # largest symmetric cap still shifted
   assert fixed_shift(_cap_spec("hard", (widest * 0.999,)), jnp.bfloat16, False) == 0.0
   assert fixed_shift(_cap_spec("hard", (widest * 1.001,)), jnp.bfloat16, False) is None
@@ -468,8 +469,9 @@ def test_keys_by_queries_tiles_are_the_transpose(dtype, options, with_temperatur
     np.testing.assert_array_equal(np.asarray(logits_t.scores), np.asarray(logits.scores).T)
     np.testing.assert_array_equal(np.asarray(tile_math.row_max(logits_t)),
                                   np.asarray(tile_math.row_max(logits)))
-    p = tile_math.probabilities(logits, lse2)
-    p_t = tile_math.probabilities(logits_t, lse2)
+    shift = lse2 / logits.scale  # the rows' statistic in the scores' units
+    p = tile_math.probabilities(logits, shift)
+    p_t = tile_math.probabilities(logits_t, shift)
     np.testing.assert_array_equal(np.asarray(p_t), np.asarray(p).T)
     ds = tile_math.logits_grad(spec, p, dp, delta, logits, temp, fast_cap)
     ds_t = tile_math.logits_grad(spec, p_t, dp.T, delta, logits_t, temp, fast_cap)
@@ -575,35 +577,44 @@ def test_float32_gradient_terms_are_rounded_once_per_tile(monkeypatch):
   assert names["ua_backward_dq"] == [] and names["ua_backward_dkv"] == [], names
 
 
-def test_float32_backward_probabilities_keep_what_rounding_lse2_lost():
-  """The backward recomputes p = exp2(logit - lse2) from the forward's lse2.
-  Where the logits are large, float32 lse2 = m + log2(l) loses up to half its
-  spacing (2^-14 for |lse2| in [1024, 2048)), and every probability of the row
-  moves by the same factor; on the H200 that put a float32 dk summing thousands
-  of nearly one-hot rows at 1.06x its tolerance (docs/DEFECTS.md, D32). With
-  the forward's lse2_low (SoftmaxState.finalize) the recomputed rows sum to 1 to
-  a few float32 roundings; without it they are off by up to 2^-14 * ln 2."""
+def test_float32_backward_probabilities_are_the_forwards_at_large_logits():
+  """The backward recomputes p = exp2((s - shift) * scale - low) from the
+  forward's row statistics (SoftmaxState.finalize). Held as one float32, the
+  base-2 lse m + log2(l) of rows near +-1900 loses up to half its spacing
+  (2^-14), every probability of a row moves by the same factor, and on the
+  H200 a float32 dk summing thousands of nearly one-hot rows was at 1.06x its
+  tolerance (docs/DEFECTS.md, D32). With the row max and log2(l) kept apart
+  (``with_low``) the rows sum to 1 to a few roundings, at scores near 1900 and
+  at scores near 7.8 with a scale of 1.44e6 (sm_scale 1e6: half an ulp of the
+  scaled logit is 0.5, docs/DEFECTS.md, L1); one float32 shift is off by more."""
   from ua_kernels import tile_math
   from ua_kernels.softmax_state import SoftmaxState
 
   rng = np.random.default_rng(0)
   rows, keys = 64, 64
-  # Rows near +-1900 (base 2), each with one key 4 to 14 above all the others:
-  # log2(l) between 2^-4 and 2^-14, rounded away in part or whole.
-  top = rng.choice([-1.0, 1.0], size=(rows, 1)) * 1900 + rng.uniform(-1, 1, (rows, 1))
-  gap = rng.uniform(4, 14, (rows, 1))
-  scores = top - gap - rng.uniform(0, 8, (rows, keys))
-  scores[:, 0] = top[:, 0]
-  logits = tile_math.Logits(jnp.asarray(scores, jnp.float32), 1.0, None, (), 0)
-  state = SoftmaxState.init(rows, 16)
-  m, l, _, _ = state.step(logits)
-  _, lse2, lse2_low = SoftmaxState(m, l, state.acc).finalize(with_low=True)
 
-  def row_sum_error(p):
-    return float(np.max(np.abs(np.asarray(p, np.float64).sum(axis=1) - 1.0)))
+  def row_sum_errors(base, spacing, scale):
+    # Each row: one key 4 to 14 (base 2) above all the others, so that log2(l)
+    # lies between 2^-4 and 2^-14, rounded away in part or whole.
+    top = rng.choice([-1.0, 1.0], size=(rows, 1)) * base + rng.uniform(-1, 1, (rows, 1)) * spacing
+    gap = rng.uniform(4, 14, (rows, 1)) / scale
+    scores = top - gap - rng.uniform(0, 8, (rows, keys)) / scale
+    scores[:, 0] = top[:, 0]
+    logits = tile_math.Logits(jnp.asarray(scores, jnp.float32), scale, None, (), 0)
+    state = SoftmaxState.init(rows, 16)
+    m, l, _, _ = state.step(logits)
+    done = SoftmaxState(m, l, state.acc)
+    errors = []
+    for with_low in (True, False):
+      _, shift, low = done.finalize(scale, with_low=with_low)
+      p = np.asarray(tile_math.probabilities(logits, shift, low), np.float64)
+      errors.append(float(np.max(np.abs(p.sum(axis=1) - 1.0))))
+    return errors
 
-  assert row_sum_error(tile_math.probabilities(logits, lse2, lse2_low)) < 1e-6
-  assert row_sum_error(tile_math.probabilities(logits, lse2)) > 1e-5
+  kept, one_float = row_sum_errors(1900.0, 1.0, 1.0)
+  assert kept < 1e-6 and one_float > 1e-5, (kept, one_float)
+  kept, one_float = row_sum_errors(7.8, 1e-3, 1e6 * tile_math.LOG2E)
+  assert kept < 1e-6 and one_float > 1e-2, (kept, one_float)
 
 
 def test_capped_16_bit_output_is_normalised_by_the_probabilities_it_used():
@@ -622,7 +633,7 @@ def test_capped_16_bit_output_is_normalised_by_the_probabilities_it_used():
 
   def out(rounded_sum):
     state = SoftmaxState.init(rows, 16, 0.0, rounded_sum).update(logits, ones, 0.0)
-    return np.asarray(state.finalize()[0])
+    return np.asarray(state.finalize(1.0)[0])
 
   np.testing.assert_array_equal(out(True), 1.0)
   assert np.all(out(False) != 1.0)

@@ -255,19 +255,20 @@ def _compare_inputs(qkv, inputs, options, tiles, backward=True, out_reference=No
   triton = effective_config(spec, q.dtype, KernelConfig(backend="triton", interpret=True))
   tiles = effective_config(spec, q.dtype, KernelConfig(mosaic=tiles)).mosaic
   fast_cap = attention_module._fast_cap(spec, q.dtype)
-  out, lse2, lse2_low = attention_module._forward(spec, triton, q, k, v, seg, temp,
-                                                  with_low=True)
+  out, shift, low = attention_module._forward(spec, triton, q, k, v, seg, temp)
+  lse2 = attention_module._lse2(spec, temp, shift, low)
   rng = np.random.default_rng(1)
   dout = jnp.asarray(rng.normal(size=q.shape), q.dtype)
   dlse = jnp.asarray(rng.normal(size=lse2.shape), jnp.float32)
-  grads = attention_module._backward(spec, triton, q, k, v, seg, temp, out, lse2, lse2_low,
+  grads = attention_module._backward(spec, triton, q, k, v, seg, temp, out, shift, low,
                                      dout, dlse)
 
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    out_m, lse2_m = mosaic_forward.forward(spec, tiles, q, k, v, seg, temp, fast_cap=fast_cap)
+    out_m, shift_m = mosaic_forward.forward(spec, tiles, q, k, v, seg, temp, fast_cap=fast_cap)
+    lse2_m = attention_module._lse2(spec, temp, shift_m, None)
     if backward and mosaic_backward.unsupported(spec, q.dtype) is None:
       delta = attention_module._delta(spec, out, dout, lse2, dlse)
-      grads_m = mosaic_backward.backward(spec, tiles, q, k, v, seg, temp, lse2, delta, dout,
+      grads_m = mosaic_backward.backward(spec, tiles, q, k, v, seg, temp, shift, delta, dout,
                                          fast_cap=fast_cap)
     else:
       grads_m = None

@@ -1,9 +1,9 @@
 """Public op: validation, padding, the three pallas_calls, and the custom VJP.
 
-The forward saves only O(T) residuals besides the inputs (out and the base-2
-lse2, and for float32 what rounding lse2 lost, lse2_low); the backward folds the
-lse cotangent and the z-loss into delta, so the dq and dk/dv kernels need no
-extra inputs for them:
+The forward saves only O(T) residuals besides the inputs (out and each row's
+softmax statistics, SoftmaxState.finalize's shift and, for float32, low); the
+backward folds the lse cotangent and the z-loss into delta, so the dq and dk/dv
+kernels need no extra inputs for them:
   d logits = p * (dp - delta),  delta = rowsum(dO * O) - dlse - w * lse.
 """
 
@@ -24,7 +24,7 @@ from . import cap_forms, fast_math, kernels, mosaic_backward, mosaic_forward
 from .kernel_config import KernelConfig
 from .padding import pad as _pad
 from .segment_spans import segment_ranges
-from .tile_math import LN2
+from .tile_math import LN2, exp2_scale
 from .tuned_configs import effective_config
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -183,24 +183,31 @@ def forward_backend(spec: StaticSpec, config: KernelConfig, dtype, keys=None) ->
   return "triton"
 
 
-def _keeps_lse2_low(dtype) -> bool:
-  """Whether the forward also saves lse2_low, what rounding lse2 to float32
-  lost (SoftmaxState.finalize), for the backward's probabilities. float32
-  gradients need it where the logits are large (docs/DEFECTS.md, D32);
-  16-bit ones round far more than it (2^-9 or 2^-11 against at most 2^-13
-  for |lse2| below 2^12) and the Mosaic kernels, 16-bit only, do without."""
+def _keeps_low(dtype) -> bool:
+  """Whether the forward's row statistics keep their low part, log2 of the row
+  sum apart from the row max (SoftmaxState.finalize). float32 gradients need
+  it where the logits are large (docs/DEFECTS.md, D32); 16-bit ones round far
+  more than what one float32 loses, and the Mosaic kernels, 16-bit only, do
+  without."""
   return jnp.dtype(dtype) == jnp.float32
 
 
+def _lse2(spec: StaticSpec, temp, shift, low):
+  """The base-2 lse [B, Hq, T] from the forward's row statistics (-inf on rows
+  without a visible key)."""
+  lse2 = shift * exp2_scale(spec, temp is not None)
+  return lse2 if low is None else lse2 + low
+
+
 def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
-             with_low: bool = False, keys: KeyBlock | None = None):
-  """(out, lse2, lse2_low): lse2_low is None unless ``with_low`` (for a
-  backward) and _keeps_lse2_low. ``config`` is effective (effective_config)."""
+             keys: KeyBlock | None = None):
+  """(out, shift, low): the rows' statistics of SoftmaxState.finalize, low
+  None unless _keeps_low. ``config`` is effective (effective_config)."""
   config.require_filled("ua_kernels.attention's forward")
   if forward_backend(spec, config, q.dtype, keys) == "mosaic":
     return (*mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp,
                                     fast_cap=_fast_cap(spec, q.dtype)), None)
-  keep_low = with_low and _keeps_lse2_low(q.dtype)
+  keep_low = _keeps_low(q.dtype)
   b, t, hq, d = q.shape
   q, k, v, seg, spans, temp, head_dim, seq_pad, blocks = _prepare(
       spec, config, q, k, v, seg, temp, None if keys is None else keys.segment_ids)
@@ -211,7 +218,7 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
                              fast_cap=_fast_cap(spec, q.dtype))
   tile, whole_kv, row = _query_program_specs(spec, bq, head_dim, seq_pad)
   rows = jax.ShapeDtypeStruct((b, hq, seq_pad), jnp.float32)
-  out, lse2, *low = _pallas_call(
+  out, shift, *low = _pallas_call(
       config, (q, k, v, seg, spans, temp, *key_inputs), kernel,
       grid=(seq_pad // bq, b, hq),
       in_specs=[tile, whole_kv, whole_kv, *_segment_specs(seg, spans, seq_pad),
@@ -221,7 +228,7 @@ def _forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
       compiler_params=_compiler_params(config),
       name="ua_forward",
   )
-  return out[:, :t, :, :d], lse2[:, :, :t], low[0][:, :, :t] if low else None
+  return out[:, :t, :, :d], shift[:, :, :t], low[0][:, :, :t] if low else None
 
 
 def backward_backend(spec: StaticSpec, config: KernelConfig, dtype, keys=None) -> str:
@@ -251,14 +258,14 @@ def _delta(spec: StaticSpec, out, dout, lse2, dlse):
   return jax.lax.optimization_barrier(jnp.where(lse2 != -jnp.inf, delta, 0.0))
 
 
-def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, lse2,
-              lse2_low, dout, dlse, keys: KeyBlock | None = None):
-  """(dq, dk, dv); ``lse2_low`` as _forward returns it (None: not kept);
-  ``config`` is effective (effective_config)."""
+def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, shift,
+              low, dout, dlse, keys: KeyBlock | None = None):
+  """(dq, dk, dv); ``shift`` and ``low`` as _forward returns them; ``config``
+  is effective (effective_config)."""
   config.require_filled("ua_kernels.attention's backward")
-  delta = _delta(spec, out, dout, lse2, dlse)
+  delta = _delta(spec, out, dout, _lse2(spec, temp, shift, low), dlse)
   if backward_backend(spec, config, q.dtype, keys) == "mosaic":
-    return mosaic_backward.backward(spec, config.mosaic, q, k, v, seg, temp, lse2, delta, dout,
+    return mosaic_backward.backward(spec, config.mosaic, q, k, v, seg, temp, shift, delta, dout,
                                     fast_cap=_fast_cap(spec, q.dtype))
   b, t, hq, d = q.shape
   hkv, group = spec.num_kv_heads, spec.group_size
@@ -266,16 +273,16 @@ def _backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, out, l
       spec, config, q, k, v, seg, temp, None if keys is None else keys.segment_ids)
   key_inputs, key_specs = _key_block_inputs(keys, seq_pad)
   dout = _pad(dout, {1: seq_pad, 3: head_dim})
-  lse2 = _pad(lse2, {2: seq_pad})
-  if lse2_low is not None:
-    lse2_low = _pad(lse2_low, {2: seq_pad})
+  shift = _pad(shift, {2: seq_pad})
+  if low is not None:
+    low = _pad(low, {2: seq_pad})
   delta = _pad(delta, {2: seq_pad})
   padded = seq_pad != t
   fast_cap = _fast_cap(spec, q.dtype)
   segment_specs = _segment_specs(seg, spans, seq_pad)
   params = dict(compiler_params=_compiler_params(config, backward=True))
-  inputs = (q, k, v, seg, spans, temp, *key_inputs, dout, lse2, lse2_low, delta)
-  has_low = lse2_low is not None
+  inputs = (q, k, v, seg, spans, temp, *key_inputs, dout, shift, low, delta)
+  has_low = low is not None
 
   # dq: one program per (query tile, batch, query head).
   bq, bkv = blocks["block_q_dq"], blocks["block_kv_dq"]
@@ -330,22 +337,22 @@ def _first_order_only(fn):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attention(spec, config, q, k, v, seg, temp, keys=None):
-  out, lse2, _ = _forward(spec, config, q, k, v, seg, temp, keys=keys)
-  return out, lse2 * LN2
+  out, shift, low = _forward(spec, config, q, k, v, seg, temp, keys=keys)
+  return out, _lse2(spec, temp, shift, low) * LN2
 
 
 def _attention_fwd(spec, config, q, k, v, seg, temp, keys=None):
   forward = _first_order_only(lambda q, k, v, seg, temp, keys: _forward(
-      spec, config, q, k, v, seg, temp, with_low=True, keys=keys))
-  out, lse2, lse2_low = forward(q, k, v, seg, temp, keys)
-  return (out, lse2 * LN2), (q, k, v, seg, temp, keys, out, lse2, lse2_low)
+      spec, config, q, k, v, seg, temp, keys=keys))
+  out, shift, low = forward(q, k, v, seg, temp, keys)
+  return (out, _lse2(spec, temp, shift, low) * LN2), (q, k, v, seg, temp, keys, out, shift, low)
 
 
 def _attention_bwd(spec, config, residuals, cotangents):
-  q, k, v, seg, temp, keys, out, lse2, lse2_low = residuals
+  q, k, v, seg, temp, keys, out, shift, low = residuals
   dout, dlse = cotangents
   backward = _first_order_only(functools.partial(_backward, spec, config))
-  dq, dk, dv = backward(q, k, v, seg, temp, out, lse2, lse2_low, dout, dlse, keys)
+  dq, dk, dv = backward(q, k, v, seg, temp, out, shift, low, dout, dlse, keys)
   # segment_ids, temperature and the key block receive no gradient (docs/SEMANTICS.md).
   return dq, dk, dv, None, None, None
 

@@ -56,6 +56,12 @@ def native(backend):
     _NATIVE.reset(token)
 
 
+def native_backend():
+  """The backend whose instructions kernels traced now use (None: the
+  Pallas interpreter's emulation)."""
+  return _NATIVE.get()
+
+
 def log2(x):
   """log2 in float32. Mosaic GPU under jax 0.10 has no lowering for log2, so
   there it is log(x) * log2(e), one rounding more (2^-24 relative)."""

@@ -18,9 +18,9 @@ from jax.experimental import pallas as pl
 from ua_reference.contract import StaticSpec
 
 from .softmax_state import SoftmaxState, sums_rounded
-from .tile_math import (TileMask, dither_bits, dot, fixed_shift, gradient_product, kv_tiles,
-                        logits_grad, matmul_operand, position_grid, positions, probabilities,
-                        q_tiles, scaled_back, tile_logits, tile_loop, to_operand,
+from .tile_math import (TileMask, dither_bits, dot, exp2_scale, fixed_shift, gradient_product,
+                        kv_tiles, logits_grad, matmul_operand, position_grid, positions,
+                        probabilities, q_tiles, scaled_back, tile_logits, tile_loop, to_operand,
                         unbiased_roundings, visible_mask)
 
 
@@ -89,10 +89,10 @@ def _value_tile(v_ref, kv_block, block_kv):
 
 
 def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset_ref,
-                   o_ref, lse2_ref, lse2_low_ref=None, *, spec: StaticSpec, block_q: int,
+                   o_ref, shift_ref, low_ref=None, *, spec: StaticSpec, block_q: int,
                    block_kv: int, padded: bool, fast_cap: bool):
-  """One query tile of one head: o = softmax(logits) @ v, base-2 lse per row
-  (and, given ``lse2_low_ref``, what rounding it lost: SoftmaxState.finalize).
+  """One query tile of one head: o = softmax(logits) @ v and each row's
+  statistics, shift and (given ``low_ref``) low: SoftmaxState.finalize.
   ``kseg_ref``: the keys' own segment ids, ``offset_ref``: _offset's block,
   where the keys are another block of the sequence (None: the queries')."""
   qt = _query_tile(q_ref, seg_ref, temp_ref, offset_ref, block_q)
@@ -108,31 +108,31 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, o
                    *_segment_span(span_ref, qt.start, block_q), delta=qt.offset)
   state = tile_loop(tiles, body, SoftmaxState.init(
       block_q, qt.q.shape[-1], shift, sums_rounded(spec, v_ref.dtype)))
-  if lse2_low_ref is None:
-    out, lse2 = state.finalize()
-  else:
-    out, lse2, lse2_low_ref[...] = state.finalize(with_low=True)
+  scale = exp2_scale(spec, temp_ref is not None)
+  out, shift, low = state.finalize(scale, with_low=low_ref is not None)
   o_ref[...] = out.astype(o_ref.dtype)
-  lse2_ref[...] = lse2
+  shift_ref[...] = shift
+  if low_ref is not None:
+    low_ref[...] = low
 
 
 def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset_ref, do_ref,
-              lse2_ref, lse2_low_ref, delta_ref, dq_ref, *, spec: StaticSpec, block_q: int,
+              shift_ref, low_ref, delta_ref, dq_ref, *, spec: StaticSpec, block_q: int,
               block_kv: int, padded: bool, fast_cap: bool):
   """dq of one query tile of one head, streaming key tiles (kseg_ref,
   offset_ref: forward_kernel's)."""
   qt = _query_tile(q_ref, seg_ref, temp_ref, offset_ref, block_q)
   key_seg_ref = seg_ref if kseg_ref is None else kseg_ref
   do = do_ref[...]
-  lse2 = lse2_ref[...]
-  lse2_low = None if lse2_low_ref is None else lse2_low_ref[...]
+  shift = shift_ref[...]
+  low = None if low_ref is None else low_ref[...]
   delta = delta_ref[...]
   unbiased_ds = unbiased_roundings(spec, do.dtype)[1]
 
   def body(kv_block, dq, masked):
     k, logits = _key_tile(spec, qt, k_ref, key_seg_ref, kv_block, block_kv, padded, fast_cap,
                           masked)
-    p = probabilities(logits, lse2, lse2_low)
+    p = probabilities(logits, shift, low)
     dp = dot(do, _value_tile(v_ref, kv_block, block_kv), trans_b=True)
     ds = logits_grad(spec, p, dp, delta, logits, qt.temp, fast_cap)
     bits = (dither_bits(*position_grid(ds.shape, qt.start, kv_block * block_kv), 1)
@@ -148,12 +148,12 @@ def dq_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset
 
 
 def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset_ref, do_ref,
-               lse2_ref, lse2_low_ref, delta_ref, dk_ref, dv_ref, *, spec: StaticSpec,
+               shift_ref, low_ref, delta_ref, dk_ref, dv_ref, *, spec: StaticSpec,
                block_q: int, block_kv: int, padded: bool, fast_cap: bool,
                per_head_totals: bool):
   """dk, dv of one key tile of one kv head, summed over its query-head group.
 
-  q/do refs hold the G query heads of the group ([T, G, D]); lse2/lse2_low/
+  q/do refs hold the G query heads of the group ([T, G, D]); shift/low/
   delta/temp refs [G, T]. The group sum happens in registers, no repeated K/V.
 
   How the G heads' terms meet in the float32 accumulators decides the error
@@ -184,8 +184,8 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offse
     rows = pl.ds(q_start, block_q)
     q = q_ref[rows, g, :]
     do = do_ref[rows, g, :]
-    lse2 = lse2_ref[g, rows]
-    lse2_low = None if lse2_low_ref is None else lse2_low_ref[g, rows]
+    shift = shift_ref[g, rows]
+    low = None if low_ref is None else low_ref[g, rows]
     delta = delta_ref[g, rows]
     temp = None if temp_ref is None else temp_ref[g, rows]
     mask = None
@@ -195,7 +195,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offse
                           _segment_tile(seg_ref, q_start, block_q) if by_segment else None,
                           k_seg if by_segment else None, padded=padded, delta=offset)
     logits = tile_logits(spec, q, k, temp, mask, fast_cap)
-    p = probabilities(logits, lse2, lse2_low)
+    p = probabilities(logits, shift, low)
     grid = position_grid(p.shape, q_start, k_start) if unbiased_p or unbiased_ds else None
     dv = dv + gradient_product(
         to_operand(p, do.dtype, dither_bits(*grid, 0) if unbiased_p else None), do, trans_a=True)

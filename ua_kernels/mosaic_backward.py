@@ -76,8 +76,9 @@ MAX_HEAD_DIM = 256
 # two compute warpgroups (dq_halves_kernel, dkv_halves_kernel), on a head dim
 # padded to 2 * 128.
 HALVES_ABOVE = 128
-# The per-query rows' order in the rows array and ring (lse2, delta, temperature).
-LSE, DELTA, TEMP = 0, 1, 2
+# The per-query rows' order in the rows array and ring (the forward's shift,
+# SoftmaxState.finalize; delta; temperature).
+SHIFT, DELTA, TEMP = 0, 1, 2
 
 
 def unsupported(spec: StaticSpec, dtype, tiles: MosaicTiles | None = None) -> str | None:
@@ -121,7 +122,7 @@ class TileShape:
   block_q: int
   block_kv: int
   stages: int
-  num_rows: int         # per-query rows: lse2, delta (and temperature)
+  num_rows: int         # per-query rows: shift, delta (and temperature)
   halves: bool          # each compute warpgroup owns one half of the columns
 
   @property
@@ -287,10 +288,10 @@ def _own_parts(own_smem, part):
 
 
 def _query_rows(p: BackwardParams, load):
-  """(lse2, delta, temperature or None) of a tile's queries; ``load(i)`` reads
+  """(shift, delta, temperature or None) of a tile's queries; ``load(i)`` reads
   per-query row i."""
-  lse2_q, delta_q = load(LSE), load(DELTA)
-  return lse2_q, delta_q, load(TEMP) if p.has_temp else None
+  shift_q, delta_q = load(SHIFT), load(DELTA)
+  return shift_q, delta_q, load(TEMP) if p.has_temp else None
 
 
 def _load_halves(refs, halves, own, loaded, half: int):
@@ -362,7 +363,7 @@ def _dq_step(p: BackwardParams, ring: _KeyRing, q_own, do_own, part, seg_ref, bi
   ``part`` (``q_own``/``do_own`` then hold both halves)."""
   plgpu = mosaic_common.plgpu()
   shape = p.shape
-  lse2_q, delta_q, temp_q = rows
+  shift_q, delta_q, temp_q = rows
   s = ring_slot(kb, ring.lo, shape.stages)
   plgpu.barrier_wait(ring.k_loaded.at[s])
   plgpu.barrier_wait(ring.v_loaded.at[s])
@@ -370,7 +371,7 @@ def _dq_step(p: BackwardParams, ring: _KeyRing, q_own, do_own, part, seg_ref, bi
                             ring.v_smem, s, (shape.block_q, shape.block_kv), shape.half)
   logits = tile_logits(p.spec, scores, temp_q, q_start, kb * shape.block_kv, masked=masked,
                        seg_ref=seg_ref, batch=bi, padded=p.padded, fast_cap=p.fast_cap)
-  probs = probabilities(logits, lse2_q)
+  probs = probabilities(logits, shift_q)
   ds = logits_grad(p.spec, probs, dp, delta_q, logits, temp_q, p.fast_cap)
   bits = (dither_bits(*position_tiles(ds.shape, q_start, kb * shape.block_kv, 0), 1)
           if unbiased_roundings(p.spec, shape.dtype)[1] else None)
@@ -531,12 +532,12 @@ def _dkv_step(p: BackwardParams, ring: _QueryRing, k_own, v_own, part, seg_ref, 
   scores_t, dp_t = _scores_pair(_own_parts(k_own, part), ring.q_smem, _own_parts(v_own, part),
                                 ring.do_smem, s, (shape.block_kv, shape.block_q), shape.half)
   plgpu.barrier_wait(ring.rows_loaded.at[s])
-  lse2_q, delta_q, temp_q = _query_rows(
+  shift_q, delta_q, temp_q = _query_rows(
       p, lambda i: load_vector(ring.rows_smem.at[s, i], plgpu.Layout.WGMMA.reduce(0)))
   logits = tile_logits(p.spec, scores_t, temp_q, q_start, k_start, masked=masked,
                        seg_ref=seg_ref, batch=bi, padded=p.padded, fast_cap=p.fast_cap,
                        query_axis=1)
-  p_t = probabilities(logits, lse2_q)
+  p_t = probabilities(logits, shift_q)
   unbiased_p, unbiased_ds = unbiased_roundings(p.spec, shape.dtype)
   grid = (position_tiles(p_t.shape, q_start, k_start, 1) if unbiased_p or unbiased_ds
           else None)
@@ -670,10 +671,10 @@ def dkv_halves_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, 
 
 # --- the call ---------------------------------------------------------------------------
 
-def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, delta, dout, *,
+def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, delta, dout, *,
              fast_cap: bool, kernels=("dq", "dkv")):
-  """(dq, dk, dv) of the unpadded inputs. ``lse2`` [B, Hq, T] is the forward's
-  base-2 lse, ``delta`` [B, Hq, T] = rowsum(dO * O) - dlse - w * lse (0 on rows
+  """(dq, dk, dv) of the unpadded inputs. ``shift`` [B, Hq, T] is the forward's
+  row statistic (SoftmaxState.finalize without low), ``delta`` [B, Hq, T] = rowsum(dO * O) - dlse - w * lse (0 on rows
   without a visible key), ``temp`` [B, T, Hq] float32 or None. ``kernels``
   runs only some of the two (the others' outputs are None), so that
   benchmarks.breakdown times each on its own."""
@@ -695,7 +696,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, lse2, del
   seg = pad(seg, {1: seq_pad}) if has_seg else None
   # Per-query rows of each head, [B, Hq, R, T_pad]: the dk/dv kernel's TMA
   # warpgroup copies a query tile's lse, delta (and temperature) at once.
-  row_vectors = [lse2, delta] + ([jnp.transpose(temp, (0, 2, 1))] if has_temp else [])
+  row_vectors = [shift, delta] + ([jnp.transpose(temp, (0, 2, 1))] if has_temp else [])
   rows = pad(jnp.stack([x.astype(jnp.float32) for x in row_vectors], axis=2), {3: seq_pad})
   dq_shape, dkv_shape = tile_shapes(tiles, dtype, head_dim, num_rows=rows.shape[2],
                                     halves=halves)

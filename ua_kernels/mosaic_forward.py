@@ -63,7 +63,7 @@ from .kernel_config import MosaicTiles
 from .padding import pad
 from .segment_spans import tile_ranges
 from .softmax_state import SoftmaxState, sums_rounded
-from .tile_math import fixed_shift, kv_tiles, tile_loop
+from .tile_math import exp2_scale, fixed_shift, kv_tiles, tile_loop
 
 # 256 is the largest head dim whose tiles fit the shared memory.
 MAX_HEAD_DIM = 256
@@ -361,7 +361,7 @@ def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, out_ref, 
   state = lax.fori_loop(tiles.hi, ring.hi, drain, state)
   pl.when(wg == 0)(schedule_sync)
 
-  out, lse2 = state.finalize()
+  out, shift, _ = state.finalize(exp2_scale(p.spec, p.has_temp))
   if p.programs:
     if p.separate_out:
       # Every product reading Q's buffer has completed: the last QK^T's scores
@@ -370,7 +370,7 @@ def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, out_ref, 
     # The previous item's stores have read O's and lse's buffers.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   out_smem[...] = out.astype(p.dtype)
-  lse_smem[...] = lse2
+  lse_smem[...] = shift
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, out_ref.at[bi, pl.ds(q_start, block_q), h])
   plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, h, pl.ds(q_start, block_q)])
@@ -533,7 +533,8 @@ def _overlapped_step(p: ForwardParams, ring: _Ring, row: _Row, kb, carry, masked
 
 
 def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_cap: bool):
-  """(out [B, T, Hq, D], lse2 [B, Hq, T] base 2) of the unpadded inputs;
+  """(out [B, T, Hq, D], shift [B, Hq, T]: SoftmaxState.finalize's row
+  statistic, without low) of the unpadded inputs;
   ``seg`` [B, T] int32 or None; ``temp`` [B, T, Hq] float32 or None."""
   b, t, hq, d = q.shape
   dtype = q.dtype
@@ -573,5 +574,5 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       kernel_name="ua_forward_mosaic",
   )
   with fast_math.native("mosaic"):
-    out, lse2 = call(q, k, v, seg, spans, temp, ones)
-  return out[:, :t, :, :d], lse2[:, :, :t]
+    out, shift = call(q, k, v, seg, spans, temp, ones)
+  return out[:, :t, :, :d], shift[:, :, :t]

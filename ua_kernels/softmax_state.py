@@ -12,7 +12,8 @@ from .tile_math import Logits, along_rows, dot, exp2_shifted, row_max
 
 
 class SoftmaxState(NamedTuple):
-  """Running row max ``m``, row sum ``l`` and unnormalised output ``acc``.
+  """Running row max ``m`` (of Logits.scores), row sum ``l`` and unnormalised
+  output ``acc``.
 
   Rows that have seen no visible key keep ``m = -inf`` and ``l = 0``; the
   updates guard those so an all-masked row never produces NaN. ``l_used``
@@ -45,7 +46,7 @@ class SoftmaxState(NamedTuple):
     if fixed_shift is None:
       m_new = jnp.maximum(self.m, row_max(logits))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      correction = fast_math.exp2(self.m - m_safe)
+      correction = fast_math.exp2((self.m - m_safe) * logits.scale)
       p = exp2_shifted(logits, m_safe)
       return m_new, correction * self.l + jnp.sum(p, axis=1), correction, p
     p = exp2_shifted(logits, fixed_shift)
@@ -77,34 +78,30 @@ class SoftmaxState(NamedTuple):
       return self.l_used
     return jnp.max(self.l_used, axis=1)
 
-  def finalize(self, with_low: bool = False):
-    """Returns (out, lse2), lse2 the log-sum-exp in base 2 (what the backward
-    needs, without a second rounding); a row with no visible key gives (0, -inf).
+  def finalize(self, scale: float, with_low: bool = False):
+    """Returns (out, shift, low): the row statistics from which the backward
+    recomputes the probabilities, exp2((scores - shift) * scale - low)
+    (tile_math.probabilities); a row with no visible key gives out 0 and
+    shift -inf. The caller's base-2 lse is shift * scale + low (lse2).
 
-    ``with_low`` also returns lse2_low, the part of m + log2(l) that rounding
-    lse2 to float32 lost (0 on rows without a key), so that the backward's
-    probabilities exp2((x - lse2) - lse2_low) are those of the forward. Where
-    the logits are large, lse2 alone is not enough: for |lse2| in [2^10, 2^11)
-    its spacing is 2^-13, and a row whose softmax is nearly one-hot has
-    log2(l) < 2^-14, which rounding lse2 loses entirely, always in the same
-    direction; every probability of the row is then off by the same factor,
-    and a float32 dk summing thousands of such rows was off by 90 units in the
-    last place, past its tolerance (docs/DEFECTS.md, D32)."""
+    ``with_low`` keeps the forward's own two terms, shift = the row max and
+    low = log2 of the row sum, so that the backward's probabilities are the
+    forward's to the last rounding; without, low is None and shift is
+    m + log2(l) / scale, one float32 whose rounding moves every probability of
+    a row by the same factor. Summed over thousands of rows in a float32 dk
+    that bias was 90 units in the last place (docs/DEFECTS.md, D32); a 16-bit
+    gradient's rounding hides it."""
     has_key = self.l > 0
     l_safe = jnp.where(has_key, self.l, 1.0)
     used = self.used_sum()
     used = l_safe if used is None else jnp.where(has_key, used, 1.0)
-    # A reciprocal per row, not a division per element: on the H200 the same
-    # time and the same bits (docs/BENCHMARKS.md, "What moved the forward");
-    # the benchmark tables were measured with it.
+    # A reciprocal per row, not a division per element: the same time and the
+    # same bits on the H200 (docs/BENCHMARKS.md, "What moved the forward").
     out = self.acc * along_rows(1.0 / used, self.acc)
     log_l = fast_math.log2(l_safe)
-    lse2 = jnp.where(has_key, self.m + log_l, -jnp.inf)
-    if not with_low:
-      return out, lse2
-    m_safe = jnp.where(has_key, self.m, 0.0)  # no -inf - -inf on rows without a key
-    low = rounding_error(m_safe, log_l, m_safe + log_l)
-    return out, lse2, jnp.where(has_key, low, 0.0)
+    if with_low:
+      return out, jnp.where(has_key, self.m, -jnp.inf), jnp.where(has_key, log_l, 0.0)
+    return out, jnp.where(has_key, self.m + log_l * (1.0 / scale), -jnp.inf), None
 
 
 def sums_rounded(spec, value_dtype) -> bool:
@@ -126,10 +123,3 @@ def _rescaled(correction, x):
     return x
   return correction * x if x.ndim == 1 else along_rows(correction, x) * x
 
-
-def rounding_error(a, b, total):
-  """(a + b) - total exactly, for total = fl(a + b) (Knuth's TwoSum: six float
-  operations, exact in round-to-nearest for any order of magnitude of a and b)."""
-  b_part = total - a
-  a_part = total - b_part
-  return (a - a_part) + (b - b_part)

@@ -126,8 +126,11 @@ class Logits(NamedTuple):
   """One tile's logits in base-2 units, as ``scores * scale``.
 
   ``scale`` is a positive static float that the kernels fold into the exp2's
-  argument (``exp2(scores * scale - m)`` is one fused multiply-add), so the
-  row max is taken on ``scores`` and no separate multiply pass is spent.
+  argument, ``exp2((scores - m) * scale)`` with m a row's max of ``scores``:
+  the difference is exact where a probability is not negligible, so the
+  argument errs by one rounding of its own size however large the logits
+  (``scores * scale - m * scale`` errs by half an ulp of the logit, whole
+  units past 2^24 and past exp2's range at 2^31; docs/DEFECTS.md, L1).
   The cap was evaluated as ``cap(cap_arg, *cap_params)``; its derivative needs
   the same (cap_arg is None without a cap). ``query_axis``: the tile's axis of
   queries (0: [block_q, block_kv]; 1: keys scored against queries), along
@@ -159,7 +162,8 @@ FIXED_SHIFT_MAX_SPAN = 100.0
 
 
 def fixed_shift(spec: StaticSpec, dtype, has_temperature: bool) -> float | None:
-  """The forward's constant exp2 shift when the cap bounds every logit, else None.
+  """The forward's constant shift of the scores (Logits.scores' units) when the
+  cap bounds every logit, else None.
 
   A cap whose outputs lie in [lo, hi] (CapMethod.bounds) bounds the base-2
   logits to [lo, hi] * scale; shifting by the midpoint instead of the running
@@ -176,12 +180,31 @@ def fixed_shift(spec: StaticSpec, dtype, has_temperature: bool) -> float | None:
   lo, hi = spec.cap.bounds(*params)
   if (hi - lo) * scale > FIXED_SHIFT_MAX_SPAN:
     return None
-  return 0.5 * (lo + hi) * scale
+  return 0.5 * (lo + hi)
 
 
 def tile_logits(spec: StaticSpec, q, k, temp, mask, fast_cap: bool) -> Logits:
   """The contract's logits of q @ k^T; see scores_to_logits."""
-  return scores_to_logits(spec, dot(q, k, trans_b=True), temp, mask, fast_cap)
+  return scores_to_logits(spec, scores_product(q, k), temp, mask, fast_cap)
+
+
+def scores_product(q, k):
+  """q @ k^T in float32. In the Pallas interpreter (fast_math.native(None)) the
+  sum over the head dim runs in one fixed order, so that a logit has the same
+  bits in every kernel whatever its tile's shape: XLA:CPU's dot rounds by the
+  product's shape, and at large logits one ulp of a score moves a probability
+  by whole factors between the forward and the backward (docs/DEFECTS.md, L1).
+  Compiled, the GPU's dot is used as it is."""
+  if fast_math.native_backend() is not None:
+    return dot(q, k, trans_b=True)
+  q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+
+  def add_column(d, acc):
+    column = lambda x: lax.dynamic_slice_in_dim(x, d, 1, axis=1)
+    return acc + column(q) * jnp.transpose(column(k))
+
+  return lax.fori_loop(0, q.shape[1], add_column,
+                       jnp.zeros((q.shape[0], k.shape[0]), jnp.float32))
 
 
 def scores_to_logits(spec: StaticSpec, qk, temp, mask, fast_cap: bool,
@@ -216,28 +239,39 @@ def scores_to_logits(spec: StaticSpec, qk, temp, mask, fast_cap: bool,
 
 
 def row_max(logits: Logits):
-  """Per-query max of the base-2 logits (scale > 0 commutes with max)."""
-  return jnp.max(logits.scores, axis=1 - logits.query_axis) * logits.scale
+  """Per-query max of the scores (Logits.scores' units; scale > 0 commutes
+  with max)."""
+  return jnp.max(logits.scores, axis=1 - logits.query_axis)
 
 
 def exp2_shifted(logits: Logits, shift, low=None):
-  """exp2(logits - shift), the multiply fused into the subtraction; ``shift``
-  is one value per row, or a static float (fixed_shift). ``low`` (per row)
-  is subtracted after: the low part of a shift held as two float32s."""
+  """exp2((scores - shift) * scale - low); ``shift`` is in the scores' units,
+  one value per row or a static float (fixed_shift), ``low`` (per row, base 2)
+  or None. The subtraction comes first (Logits)."""
   if not isinstance(shift, float):
     shift = along_queries(shift, logits.scores, logits.query_axis)
-  shifted = logits.scores * logits.scale - shift
+  shifted = (logits.scores - shift) * logits.scale
   if low is not None:
     shifted = shifted - along_queries(low, shifted, logits.query_axis)
   return fast_math.exp2(shifted)
 
 
-def probabilities(logits: Logits, lse2, lse2_low=None):
-  """Softmax probabilities from the forward's base-2 lse; rows with
-  lse2 = -inf give 0. ``lse2_low`` (float32 kernels) is what rounding lse2
-  lost (SoftmaxState.finalize): a logit minus lse2 is exact where the two are
-  close, so subtracting it after gives the probabilities the forward summed."""
-  return exp2_shifted(logits, jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), lse2_low)
+def probabilities(logits: Logits, shift, low=None):
+  """Softmax probabilities from the forward's row statistics
+  (SoftmaxState.finalize): exp2((scores - shift) * scale - low), rows with
+  shift = -inf (no visible key) giving 0. With ``low`` (float32 kernels) shift
+  is the row's max score and low log2 of its sum, the forward's own terms."""
+  return exp2_shifted(logits, jnp.where(shift == -jnp.inf, jnp.inf, shift), low)
+
+
+def exp2_scale(spec: StaticSpec, has_temperature: bool) -> float:
+  """The Logits.scale of the kernels' tiles (scores_to_logits): what turns the
+  row statistics' shift into base-2 units for the caller's lse."""
+  if spec.cap_method == "none":
+    scale = spec.sm_scale * LOG2E
+  else:
+    scale = _cap_fold(spec)[1]
+  return 1.0 if has_temperature or scale <= 0 else scale
 
 
 def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: bool):
