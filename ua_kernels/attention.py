@@ -53,13 +53,11 @@ FAST_CAP_MAX_PARAM = 64.0
 def _fast_cap(spec: StaticSpec, dtype) -> bool:
   """bfloat16 inputs take the caps' fast forms (cap_forms) for caps up to
   FAST_CAP_MAX_PARAM. bfloat16's unit roundoff, 2^-9, is four times the fast
-  tanh's 2^-11. float16's equals it, and the suite measured the fast form out
-  of float16's tolerance (a tanh-capped case at 1.19x its bound), so float16
-  keeps the exact forms. The fast tanh's error is relative to its value, so a
-  capped logit c*tanh(x/c) is off by up to c * 2^-11: for a cap far above the
-  logits it acts on (the suite's 'huge tanh cap', 2.4e5 over logits near 600,
-  bfloat16) that moved probabilities by e^0.3, out at 3.7x its tolerance.
-  Caps up to 64 keep it within 2^-5 of a logit; larger ones take the exact tanh."""
+  tanh's 2^-11; float16's equals it, and the suite measured the fast form out
+  of float16's tolerance, so float16 keeps the exact forms. The fast tanh's
+  error is relative to its value, so a capped logit c*tanh(x/c) is off by up
+  to c * 2^-11: caps up to 64 keep it within 2^-5 of a logit, larger ones take
+  the exact tanh (docs/DEFECTS.md, B16)."""
   return (jnp.dtype(dtype) == jnp.bfloat16
           and max(spec.cap_params, default=0.0) <= FAST_CAP_MAX_PARAM)
 
@@ -67,12 +65,9 @@ def _fast_cap(spec: StaticSpec, dtype) -> bool:
 def _per_head_totals(spec: StaticSpec, dtype) -> bool:
   """Whether the dk/dv kernel sums each query head of a GQA group from zero
   before adding it to the group's total (kernels.dkv_kernel). float32 outputs
-  need it: on the H200 a float32 case with 8 query heads per kv head and a
-  short non-causal window (docs/DEFECTS.md, G1) had its dv error at 2.5x the
-  tolerance with one shared accumulator, 0.22x with the query tiles outside the
-  heads, and MHA's 0.03x needs per-head totals. 16-bit outputs round 2^-9 or
-  2^-11 away what remains (the same case in bfloat16: 0.108 GQA, at MHA's
-  level) and keep the registers of a second pair of accumulators."""
+  need it: with one shared accumulator a long group's sum loses precision in
+  proportion to its size (docs/DEFECTS.md, G1). 16-bit outputs round away what
+  remains and keep the registers of a second pair of accumulators."""
   return spec.group_size > 1 and jnp.dtype(dtype) == jnp.float32
 
 
@@ -249,9 +244,9 @@ def _delta(spec: StaticSpec, out, dout, lse2, dlse):
 
   Computed as its own XLA reduction (the optimization barrier): left free, XLA
   fused the row sums into their consumer, the stack of per-query rows of the
-  Mosaic backward (mosaic_backward.backward), one loop fusion of 137 µs on the
-  H200 at B=16 T=1024 H=16 D=128 (ncu), where the reduction on its own takes 28
-  (docs/BENCHMARKS.md, "Where the forward+backward time goes")."""
+  Mosaic backward (mosaic_backward.backward), one loop fusion several times
+  slower than the reduction alone (docs/BENCHMARKS.md, "Where the
+  forward+backward time goes")."""
   lse = lse2 * LN2
   delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),
                      dout.astype(jnp.float32)) - dlse - spec.z_loss_weight * lse

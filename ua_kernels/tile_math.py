@@ -47,8 +47,8 @@ def gradient_product(a, b, *, trans_a=False, trans_b=False):
   combine pass rewrites ``total + dot(a, b)`` into a dot that accumulates into
   ``total`` (``AddFOp(DotOp(a, b, 0), d) => DotOp(a, b, d)``), so a float32
   (FMA) dot adds every product of every tile into the running sum, rounding
-  each at the sum's magnitude: on the H200 that put a float32 dk with 16,384
-  rows at 2.7x its tolerance (docs/DEFECTS.md, D32). Halving ``a`` and
+  each at the sum's magnitude: a float32 dk of long sequences fell out of its
+  tolerance (docs/DEFECTS.md, D32). Halving ``a`` and
   doubling the product puts a multiply between the dot and the add, which the
   pattern does not match; both are exact in float32 (``a`` above 2^-125, the
   product below 2^127). 16-bit operands keep the fused form: the output's

@@ -2,16 +2,12 @@
 cap), from benchmarks/tune.py, and the one place a call's effective config is
 made from it (effective_config).
 
-Pallas-Triton, 16-bit: measured on one H200 (jax 0.11.2, triton 3.6, bf16, B=4
-(2 for D=256), T=4096, H=16), candidates timed round-robin. D=128 forward
-tiles: no cap 128x128, 8 warps, 3 stages, full and causal; tanh cap 64x64, 4
-warps, 3 stages; windows keep the 64x64 tiles they were measured with.
-float32 (`python -m benchmarks.tune --dtype float32`, B=1, causal and full):
-its products run on FMA units (precision HIGHEST), so tiles of 32 keys win
-above D=64 and in every backward (the D=128 forward takes the full sweep's
-64x32, 12% behind the causal sweep's best), and compile in a few seconds where
-64x64 ones took up to 12 (a GPU campaign compiles one per configuration). Mosaic GPU (16-bit only): `python -m benchmarks.tune
---backend mosaic`. The sweeps behind these choices: docs/BENCHMARKS.md,
+Pallas-Triton, 16-bit and float32 (`python -m benchmarks.tune [--dtype
+float32]`), and Mosaic GPU, 16-bit only (`python -m benchmarks.tune --backend
+mosaic`), candidates timed round-robin on the GPU. float32 products run on FMA
+units (precision HIGHEST), so tiles of 32 keys win above D=64 and in every
+backward, and compile far faster than 64x64 ones (a GPU campaign compiles one
+per configuration). The sweeps behind these choices: docs/BENCHMARKS.md,
 "Tiles". The CPU interpreter ignores warps and stages.
 """
 
@@ -61,7 +57,7 @@ PERSISTENT_MAX_SEQ_LEN = 4096
 def mosaic_tiles(spec: StaticSpec, dtype) -> MosaicTiles:
   """Every MosaicTiles field of the table: forward key tiles of 128 up to head
   dim 128, else 64 (two stages of K and V at head dim 256 fit the shared memory
-  only so); 128-key dq tiles beat 64 by up to 1% at head dim 128. The forward
+  only so); 128-key dq tiles beat 64 at head dim 128. The forward
   is persistent without a causal mask or a window, up to PERSISTENT_MAX_SEQ_LEN
   keys: what it saves is one prologue and epilogue per item, which matters
   where items are short (docs/BENCHMARKS.md, "The persistent forward"). Under
