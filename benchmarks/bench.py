@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ua_kernels
-from properties.impls import PALLAS_MHA_TILES
+from properties.peers.impls import PALLAS_MHA_TILES
 from ua_kernels.attention import backward_backend, forward_backend
 from ua_kernels.backends import triton_attention
 from ua_kernels.tuned_configs import default_config
@@ -41,7 +41,7 @@ from ua_reference.contract import validate
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Each peer at its best-known configuration, written into its rows' "config".
-# JAX's Pallas-Triton mha at the tiles of properties/impls.py PALLAS_MHA_TILES
+# JAX's Pallas-Triton mha at the tiles of properties/peers/impls.py PALLAS_MHA_TILES
 # (block_q 128, block_k 64, every backward block 64; num_warps and num_stages
 # left to mha): on the H200 about 323 TFLOP/s forward+backward, against 146 at
 # mha's default block sizes (docs/BENCHMARKS.md, "Against the peers"). cuDNN
@@ -56,7 +56,7 @@ PEER_CONFIGS = {
 }
 PEER_CONFIGS["jax_pallas_triton_nocap"] = PEER_CONFIGS["jax_pallas_triton"]
 PEER_CONFIGS["torch_flex_tanh"] = PEER_CONFIGS["torch_flex"]
-# tokamax's Mosaic GPU kernel (properties/impls_tokamax.py), where it is
+# tokamax's Mosaic GPU kernel (properties/peers/impls_tokamax.py), where it is
 # installed (docs/PEERS.md says how): at its own choice of config (on an H200
 # its heuristics: its autotuning cache is keyed by device kind and holds the
 # H100 only) and at the configs that cache records as the H100's fastest.
@@ -205,7 +205,7 @@ def tokamax_peers(causal, cap) -> dict:
   """name -> attention(q, k, v) of tokamax at its PEER_CONFIGS, or none where
   tokamax is not installed."""
   try:
-    from properties import impls_tokamax
+    from properties.peers import impls_tokamax
     impls_tokamax.install_xprof_stub()
     import tokamax  # noqa: F401
   except ImportError:

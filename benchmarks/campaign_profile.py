@@ -27,11 +27,13 @@ import jax
 import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 
-from properties import checks, runner
-from properties.capabilities import load_impl
-from properties.inputs import make_inputs
-from properties.profiles import BUCKETS, PROFILES
-from properties.strategies import cases
+from properties.checks import checks
+
+from properties.judge import runner
+from properties.model.capabilities import load_impl
+from properties.model.inputs import make_inputs
+from properties.model.profiles import BUCKETS, PROFILES
+from properties.model.strategies import cases
 
 
 def draw_configurations(impl, n: int, seed: int, profile: str = "gpu") -> list:

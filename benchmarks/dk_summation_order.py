@@ -31,8 +31,8 @@ import time
 
 import numpy as np
 
-from properties.case import load_case_file
-from properties.inputs import make_inputs
+from properties.model.case import load_case_file
+from properties.model.inputs import make_inputs
 
 TILE = 64
 

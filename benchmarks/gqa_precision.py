@@ -13,9 +13,9 @@ import argparse
 import dataclasses
 import time
 
-from properties.capabilities import load_impl
-from properties.case import load_case_file
-from properties.runner import evaluate, score
+from properties.model.capabilities import load_impl
+from properties.model.case import load_case_file
+from properties.judge.runner import evaluate, score
 
 VARIATIONS = {
     "as saved": {},

@@ -339,7 +339,7 @@ def _run_pytest(copy: Path, targets: list[str], timeout: float) -> tuple[str, in
 
 def _failures(output: str) -> list[str]:
   failed = re.findall(r"^FAILED (\S+)", output, re.M)
-  # A campaign verdict (properties/gates.py) fails the session with no test failed.
+  # A campaign verdict (properties/judge/gates.py) fails the session with no test failed.
   failed += [f"::{kind}-verdict[{group}]" for kind, group in
              re.findall(r"^(bias|baseline) (\S+)\s+(?:BIASED|REGRESSED)", output, re.M)]
   return failed

@@ -2,7 +2,7 @@
 
     pytest --pyargs properties.suite --impl mypkg.mod:fn [--hypothesis-profile ua-dev]
 
-One test per property of properties/registry.py (per dtype, and in chunks under
+One test per property of properties/checks/registry.py (per dtype, and in chunks under
 the gpu profile, for the oracle property); properties/plugin.py parametrizes
 them and provides the ``ua_suite`` fixture.
 """

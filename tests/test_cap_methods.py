@@ -1,4 +1,4 @@
-"""Every registered cap method against its declarations (properties/cap_checks.py):
+"""Every registered cap method against its declarations (properties/checks/cap_checks.py):
 hand-written derivative == autodiff of the forward, declared bounds and
 homogeneity hold, and the kernels' fast forms (bfloat16) are within
 FORM_TOLERANCE of the exact ones. Registering a method is enough for it to be
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from properties import cap_checks
-from properties.cap_checks import FORM_TOLERANCE, cap_points, check_all
+from properties.checks import cap_checks
+from properties.checks.cap_checks import FORM_TOLERANCE, cap_points, check_all
 from ua_kernels import cap_forms
 from ua_reference.caps import CAP_METHODS
 
@@ -73,7 +73,7 @@ def test_fast_tanh_emulation_has_the_instructions_error_size():
 
 
 def test_builtin_methods_meet_their_definitions():
-  from properties.runner import x64
+  from properties.judge.runner import x64
   x = np.linspace(-30, 30, 601)
   with x64(True):
     f = lambda name, *p: np.asarray(CAP_METHODS[name].forward(jnp.asarray(x), *p))

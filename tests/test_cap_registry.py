@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import pytest
 
 import ua_kernels
-from properties.capabilities import declare
-from properties.case import Case
-from properties.checks import matches_oracle
+from properties.model.capabilities import declare
+from properties.model.case import Case
+from properties.checks.checks import matches_oracle
 from ua_reference import caps
 
 KERNELS = declare("ua_kernels:attention", ua_kernels.attention)

@@ -1,4 +1,4 @@
-"""Capability declarations (properties/capabilities.py): read, checked, and
+"""Capability declarations (properties/model/capabilities.py): read, checked, and
 honoured by the strategies."""
 
 import dataclasses
@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from properties.capabilities import CapabilityError, declare
-from properties.profiles import PROFILES
-from properties.strategies import cases
+from properties.model.capabilities import CapabilityError, declare
+from properties.model.profiles import PROFILES
+from properties.model.strategies import cases
 
 
 def _fn(**attrs):
@@ -119,7 +119,7 @@ def test_chunks_of_a_campaign_start_from_different_configurations():
   profile's chunks, one of them long, while chunk 0 keeps the realistic one."""
   import dataclasses
 
-  from properties.capabilities import load_impl
+  from properties.model.capabilities import load_impl
   impl = load_impl("ua_kernels:attention")
   profile = PROFILES["gpu"]
   buckets = dataclasses.replace(profile.buckets, dtypes=("bfloat16",))
@@ -137,8 +137,8 @@ def test_a_document_alone_is_padded_to_a_declared_length_multiple():
   and the property still compares every document's rows."""
   import jax.numpy as jnp
   import ua_reference
-  from properties import checks
-  from properties.case import Case
+  from properties.checks import checks
+  from properties.model.case import Case
 
   lengths = []
 
@@ -166,9 +166,9 @@ def test_a_sharded_op_is_checked_against_its_unsharded_counterpart():
   only to its own half), a ring that never turns."""
   import jax.numpy as jnp
   import ua_reference
-  from properties import checks
-  from properties.case import Case
-  from properties.registry import get
+  from properties.checks import checks
+  from properties.model.case import Case
+  from properties.checks.registry import get
 
   def whole(q, k, v, **kwargs):
     return ua_reference.attention(q, k, v, **kwargs)

@@ -94,7 +94,7 @@ def test_splash_attention_runs_under_the_suite_in_interpret_mode(tmp_path):
   its adapter: the mask, hidden-key and packed-document properties pass, wide
   segment ids and GQA included; its oracle failures are classified in
   docs/PEERS.md ("Splash attention on this CPU")."""
-  proc, report = run_suite(tmp_path, "properties.impls:splash_attention", "-n", "2", "-k",
+  proc, report = run_suite(tmp_path, "properties.peers.impls:splash_attention", "-n", "2", "-k",
                            "mask_is_exact or hidden_keys_do_not_leak or packed_equals_separate")
   assert proc.returncode == 0, proc.stdout[-3000:]
   assert report["cases"] >= 10 and _problems(report) == 0
@@ -107,7 +107,7 @@ def test_splash_attention_highest_traces_both_directions_at_highest_precision():
   VJP is called, at one bfloat16 pass (docs/PEERS.md)."""
   import jax
   import jax.numpy as jnp
-  from properties.impls import splash_attention, splash_attention_highest
+  from properties.peers.impls import splash_attention, splash_attention_highest
   q = jnp.ones((1, 128, 1, 128), jnp.float32)
 
   def dots(fn):

@@ -163,7 +163,7 @@ def test_the_suite_verifies_the_sharded_op_over_virtual_devices(tmp_path, shards
   of each (the focused mask tests' on lengths of two tiles and more); every
   case passes. Their further examples take minutes per property over 4 devices
   here: docs/CONTEXT_PARALLEL.md records those runs."""
-  from properties.registry import PROPERTIES
+  from properties.checks.registry import PROPERTIES
 
   report = tmp_path / "report.json"
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={shards}",

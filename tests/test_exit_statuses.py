@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from properties.cli import (EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_PASS,
-                            EXIT_USAGE)
+from properties.cli.verdict import (EXIT_FAIL, EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_PASS,
+                                    EXIT_USAGE)
 
 TESTS = Path(__file__).parent
 CASE = {"case": {"batch": 1, "seq_len": 16, "num_q_heads": 2, "num_kv_heads": 1,

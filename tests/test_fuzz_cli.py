@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from properties import cli
-from properties.case import Case
+from properties.cli.fuzz import _derivative_hint
+from properties.model.case import Case
 from ua_reference.caps import CAP_METHODS
 
 MY_CAPS = '''
@@ -46,8 +47,8 @@ def test_a_wrong_derivative_is_named_before_any_attention_case(my_caps, capsys):
 def test_the_derivative_hint():
   case = Case(batch=1, seq_len=3, num_q_heads=1, num_kv_heads=1, head_dim=16,
               dtype="float32", cap_method="tanh", cap_params=(1.0,))
-  assert "derivative is the likely cause" in cli._derivative_hint(case, ["dq", "dk"])
-  assert cli._derivative_hint(case, ["dq", "dv"]) == ""
+  assert "derivative is the likely cause" in _derivative_hint(case, ["dq", "dk"])
+  assert _derivative_hint(case, ["dq", "dv"]) == ""
 
 
 def test_a_campaign_reports_its_failure_once_and_stops(tmp_path, monkeypatch, capsys):
@@ -89,7 +90,7 @@ def test_repro_without_its_implementation_or_case_is_a_usage_error(tmp_path, cap
   assert "not a readable case file" in _usage_error(
       cli.repro_main, [str(tmp_path / "empty.json")], capsys)
   case = Case(batch=1, seq_len=3, num_q_heads=1, num_kv_heads=1, head_dim=16, dtype="float32")
-  from properties.case import write_case_file
+  from properties.model.case import write_case_file
   path = tmp_path / "case.json"
   write_case_file(path, case, "matches_oracle", "no_such_module_test:attention", status="failed")
   err = _usage_error(cli.repro_main, [str(path)], capsys)

@@ -1,4 +1,4 @@
-"""The statistical verdicts (properties/bias.py, properties/gates.py): a
+"""The statistical verdicts (properties/judge/bias.py, properties/judge/gates.py): a
 planted rounding bias and a planted precision regression, each inside the
 max-abs bound, fail; rounding to nearest, exact results over float64 noise and
 identical reruns do not."""
@@ -9,8 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from properties import bias, gates
-from properties.bias import BiasStats, signed_ulps, verdicts
+from properties.judge import bias, gates
+from properties.judge.bias import BiasStats, signed_ulps, verdicts
 from test_suite_plugin import run_suite
 
 RNG = np.random.default_rng(0)

@@ -1,12 +1,12 @@
-"""properties.inputs: the drawn tensors are what each distribution says."""
+"""properties.model.inputs: the drawn tensors are what each distribution says."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
-from properties.case import Case
-from properties.inputs import OFFSET_RANGE, make_inputs
+from properties.model.case import Case
+from properties.model.inputs import OFFSET_RANGE, make_inputs
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -12,7 +12,7 @@ from ua_kernels import KernelConfig
 from ua_kernels.segment_spans import segment_ranges, segment_runs, segment_spans, tile_ranges
 from ua_reference.contract import validate
 from ua_kernels.tile_math import kv_block_range, q_block_range
-from properties.runner import x64
+from properties.judge.runner import x64
 from ua_reference import visible_keys
 
 
@@ -389,10 +389,10 @@ def test_float32_gqa_group_sum_is_as_accurate_as_mha():
   accumulators (the kernel before the fix) 3.00x and 3.27x. The suite's tolerance
   model cannot see this at CPU sizes (the interpreter adds a tile's partial sum,
   not each product; docs/DEFECTS.md), so this white-box test holds the line."""
-  from properties.capabilities import declare
-  from properties.case import Case
-  from properties.inputs import make_inputs
-  from properties.runner import baseline, evaluate
+  from properties.model.capabilities import declare
+  from properties.model.case import Case
+  from properties.model.inputs import make_inputs
+  from properties.judge.runner import baseline, evaluate
   import dataclasses
   kernels = declare("ua_kernels:attention", ua_kernels.attention)
   case = Case(batch=1, seq_len=513, num_q_heads=16, num_kv_heads=1, head_dim=64,

@@ -1,4 +1,4 @@
-"""The exact mask property (properties/mask_check.py) on the reference and on
+"""The exact mask property (properties/checks/mask_check.py) on the reference and on
 implementations with one planted mask defect each: a correct one passes at long
 T, every leaked or dropped (query, key) pair fails it, and the failure names
 the first such pair."""
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import ua_reference
-from properties import mask_check
-from properties.capabilities import declare
-from properties.case import Case
-from properties.mask_check import MaskMismatch, mask_is_exact
+from properties.checks import mask_check
+from properties.model.capabilities import declare
+from properties.model.case import Case
+from properties.checks.mask_check import MaskMismatch, mask_is_exact
 
 REFERENCE = declare("ua_reference:attention", ua_reference.attention)
 

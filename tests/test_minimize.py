@@ -1,4 +1,4 @@
-"""ua-repro CASE --minimize (properties/minimize.py).
+"""ua-repro CASE --minimize (properties/campaign/minimize.py).
 
 End to end: a planted defect (the reference with dk 1.5 times too large on causal
 sequences longer than 16, tests/outside_kernels.py), a deliberately large
@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from properties import cli, minimize
-from properties.capabilities import declare
-from properties.case import Case, load_case_file, write_case_file
-from properties.checks import PropertyFailure
-from properties.registry import get
-from properties.tolerance import OutputError
-from properties.verifier import CaseFailure, HarnessFailure
+from properties import cli
+
+from properties.campaign import minimize
+from properties.model.capabilities import declare
+from properties.model.case import Case, load_case_file, write_case_file
+from properties.checks.checks import PropertyFailure
+from properties.checks.registry import get
+from properties.judge.tolerance import OutputError
+from properties.run.verifier import CaseFailure, HarnessFailure
 
 PLANTED = "outside_kernels:dk_off_when_causal_attention"
 BIG = Case(batch=2, seq_len=200, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="float32",

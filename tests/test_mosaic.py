@@ -336,7 +336,7 @@ def test_backend_implementations_declare_what_they_run():
   """ua_kernels.backends as the suite loads them: the Mosaic one 16-bit and
   head dims up to 256 only; the Triton one everything, its config forced to
   Triton; on this CPU the Triton one computes what the dispatching op does."""
-  from properties.capabilities import load_impl
+  from properties.model.capabilities import load_impl
 
   mosaic = load_impl("ua_kernels.backends:mosaic_attention")
   assert mosaic.dtypes == ("bfloat16", "float16")

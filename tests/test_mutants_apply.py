@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from properties.mutation import MUTANTS, check_applies
+from benchmarks.mutation import MUTANTS, check_applies
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m.id for m in MUTANTS])
@@ -26,11 +26,11 @@ def test_mutants_are_distinct():
 
 def test_a_mutant_copy_carries_the_precision_baseline(tmp_path):
   """A mutant that only makes the errors grow (S3) is killed by the baseline
-  verdict (properties/gates.py), which runs only where the mutant's copy has
+  verdict (properties/judge/gates.py), which runs only where the mutant's copy has
   the checkout's baseline for this jax (docs/baselines/)."""
   import jax
 
-  from properties.mutation import _baseline_args, _copy_repo
+  from benchmarks.mutation import _baseline_args, _copy_repo
   root = Path(__file__).resolve().parents[1]
   if not (root / "docs" / "baselines" / f"ua_kernels-ci-jax{jax.__version__}.json").is_file():
     pytest.skip(f"no committed baseline for jax {jax.__version__}")
@@ -45,9 +45,9 @@ def test_each_first_test_names_a_test_of_the_suite():
   (a regression case file, a property test of the ci profile): a stale name is
   a pytest usage error or no test, not a kill: the whole suite then runs
   after it, and the hint only costs a pytest start, silently."""
-  from properties import profiles
-  from properties.mutation import FIRST_TESTS
-  from properties.plugin import property_tests
+  from properties.model import profiles
+  from benchmarks.mutation import FIRST_TESTS
+  from properties.campaign.schedule import property_tests
 
   root = Path(__file__).parent.parent
   cases = {p.stem for p in (root / "tests" / "regressions").glob("*.json")}

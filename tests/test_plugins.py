@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 
-from properties.capabilities import load_impl
-from properties.profiles import PROFILES
-from properties.registry import PROPERTIES
-from properties.strategies import cases
-from properties.verifier import Verifier
+from properties.model.capabilities import load_impl
+from properties.model.profiles import PROFILES
+from properties.checks.registry import PROPERTIES
+from properties.model.strategies import cases
+from properties.run.verifier import Verifier
 
-PLUGINS = ("ua_reference:attention", "properties.impls:jax_nn_attention")
+PLUGINS = ("ua_reference:attention", "properties.peers.impls:jax_nn_attention")
 CHECKED = [p for p in PROPERTIES if p.name in (
     "matches_oracle", "gqa_equals_repeated_heads", "hidden_keys_do_not_leak", "deterministic")]
 
@@ -35,9 +35,9 @@ def test_plugin_passes(name, prop, tmp_path):
 
 
 def test_adapter_declares_what_it_lacks():
-  impl = load_impl("properties.impls:jax_nn_attention")
+  impl = load_impl("properties.peers.impls:jax_nn_attention")
   assert impl.unsupported == {"segment_ids", "cap", "temperature", "z_loss", "lse"}
-  cudnn = load_impl("properties.impls:jax_nn_cudnn")
+  cudnn = load_impl("properties.peers.impls:jax_nn_cudnn")
   assert cudnn.dtypes == ("bfloat16", "float16") and not cudnn.head_dims(256)
   with pytest.raises(ValueError, match="module:function"):
     load_impl("ua_kernels.attention")

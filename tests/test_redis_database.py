@@ -1,5 +1,5 @@
 """Campaigns on several hosts sharing one Redis example database
-(ua-verify --shared-database redis://HOST:PORT/DB, properties/databases.py),
+(ua-verify --shared-database redis://HOST:PORT/DB, properties/campaign/databases.py),
 against a real redis-server on a loopback port; and ua-verify --merge.
 
 Two campaigns, each with its own local directory database and failures
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from properties import cli
-from properties.databases import DatabaseOptionError, redis_client
+from properties.campaign.databases import DatabaseOptionError, redis_client
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 

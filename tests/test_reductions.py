@@ -1,4 +1,4 @@
-"""The device's reductions of large outputs (properties.reductions) give the
+"""The device's reductions of large outputs (properties.judge.reductions) give the
 host's verdicts: the same error, tolerance, worst element and counts, on
 values with every special case a comparison meets (NaN, inf of either sign,
 overflow to inf, exact zeros, zero tolerances, ties)."""
@@ -8,12 +8,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from properties import reductions
-from properties.bias import signed_ulps, stats
-from properties.capabilities import load_impl
-from properties.case import Case
-from properties.checks import matches_oracle
-from properties.tolerance import compare, element_tolerance
+from properties.judge import reductions
+from properties.judge.bias import signed_ulps, stats
+from properties.model.capabilities import load_impl
+from properties.model.case import Case
+from properties.checks.checks import matches_oracle
+from properties.judge.tolerance import compare, element_tolerance
 
 
 def _values(seed: int, shape=(3, 40, 2, 16)):

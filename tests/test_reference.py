@@ -9,7 +9,7 @@ import pytest
 from jax.test_util import check_grads
 
 import ua_reference
-from properties.runner import x64
+from properties.judge.runner import x64
 
 
 def brute_force(q, k, v, seg=None, causal=False, window=0, cap=lambda x: x, temp=None,

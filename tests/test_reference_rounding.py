@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from properties import bias, runner
-from properties.case import load_case_file
+from properties.judge import bias, runner
+from properties.model.case import load_case_file
 from ua_reference import caps
 
 CASES = sorted((Path(__file__).parent / "regressions").glob("original-F61-*.json"))

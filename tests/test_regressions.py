@@ -11,9 +11,9 @@ from pathlib import Path
 import jax
 import pytest
 
-from properties.case import load_case_file
-from properties.registry import get
-from properties.verifier import Verifier
+from properties.model.case import load_case_file
+from properties.checks.registry import get
+from properties.run.verifier import Verifier
 
 CASES = sorted((Path(__file__).parent / "regressions").glob("*.json"))
 

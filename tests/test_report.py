@@ -1,7 +1,7 @@
 """The report: each case's time split into compiling and running
-(properties/compile_clock.py) in a real small run's records, their sums per
+(properties/run/compile_clock.py) in a real small run's records, their sums per
 feature group and property, the persistent cache's hits, and --merge; and
-ua-verify --html's page (properties/html_report.py), loaded in headless
+ua-verify --html's page (properties/campaign/html_report.py), loaded in headless
 Chromium."""
 
 import base64
@@ -15,9 +15,12 @@ import time
 
 import pytest
 
-from properties import cli, compile_clock
-from properties.case import Case
-from properties.plugin import build_report, merge_reports, write_report
+from properties import cli
+
+from properties.run import compile_clock
+from properties.model.case import Case
+from properties.campaign.merge import merge_reports
+from properties.campaign.report import build_report, write_report
 
 from test_suite_plugin import TESTS, run_suite
 

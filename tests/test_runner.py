@@ -4,9 +4,11 @@ import dataclasses
 
 import pytest
 
-from properties import checks, runner
-from properties.capabilities import declare
-from properties.case import Case
+from properties.checks import checks
+
+from properties.judge import runner
+from properties.model.capabilities import declare
+from properties.model.case import Case
 
 import ua_reference
 
@@ -77,9 +79,9 @@ def test_on_a_tpu_the_float64_work_runs_on_the_host_cpu(monkeypatch):
   the implementation's dtype runs there. Elsewhere nothing moves."""
   import jax
   import numpy as np
-  from properties import error_terms, reductions, runner
-  from properties.case import Case
-  from properties.inputs import make_inputs
+  from properties.judge import error_terms, reductions, runner
+  from properties.model.case import Case
+  from properties.model.inputs import make_inputs
   case = Case(batch=1, seq_len=8, num_q_heads=2, num_kv_heads=1, head_dim=16,
               dtype="float32", seed=1)
   assert runner.harness_device() is None and runner.reference_x64(False)
@@ -97,8 +99,8 @@ def test_the_tpu_harness_gives_the_cpu_harness_bounds(monkeypatch):
   of the CPU path, up to the order of float64 sums."""
   import jax
   import numpy as np
-  from properties import runner
-  from properties.case import Case
+  from properties.judge import runner
+  from properties.model.case import Case
   case = Case(batch=1, seq_len=40, num_q_heads=2, num_kv_heads=1, head_dim=16,
               dtype="float32", causal=True, seed=3, cap_method="tanh", cap_params=(5.0,))
   runner._harness.cache_clear()
@@ -117,10 +119,10 @@ def test_the_tpu_harness_gives_the_cpu_harness_bounds(monkeypatch):
 
 def test_the_tpu_profile_runs_in_one_process():
   import argparse
-  from properties import cli
-  from properties.profiles import PROFILES
+  from properties.cli import verify
+  from properties.model.profiles import PROFILES
   args = argparse.Namespace(profile="tpu", gpus=0, workers="auto", minutes=8.0)
-  assert cli._worker_args(args) == []
+  assert verify._worker_args(args) == []
   buckets = PROFILES["tpu"].buckets
   assert buckets.max_seq_len == 32768 and 32768 in buckets.long_seq_lens
   assert {128, 256} <= set(buckets.head_dims)

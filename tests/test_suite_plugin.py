@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from properties import registry, verifier as verifier_module
-from properties.case import Case, load_case_file
-from properties.runner import REFERENCE, HarnessError
-from properties.verifier import HarnessFailure, Verifier
+from properties.checks import registry
+
+from properties.run import verifier as verifier_module
+from properties.model.case import Case, load_case_file
+from properties.judge.runner import REFERENCE, HarnessError
+from properties.run.verifier import HarnessFailure, Verifier
 
 TESTS = Path(__file__).parent
 
@@ -88,8 +90,8 @@ def test_a_hang_in_one_process_ends_the_run_with_the_failure_status_and_its_file
 def test_every_case_has_a_timeout_scaled_to_its_size_and_kept_to_the_box():
   """No profile leaves a case unbounded: the base, a second per 1e8
   multiply-adds, and under a time box no more than the grace past its end."""
-  from properties.profiles import PROFILES
-  from properties.verifier import BOX_GRACE_SECONDS, case_timeout
+  from properties.model.profiles import PROFILES
+  from properties.run.verifier import BOX_GRACE_SECONDS, case_timeout
   small = Case(batch=1, seq_len=64, num_q_heads=2, num_kv_heads=2, head_dim=32, dtype="float32")
   big = dataclasses.replace(small, seq_len=32768, num_q_heads=8, head_dim=128)
   assert all(p.case_timeout_base > 0 for p in PROFILES.values())
@@ -128,7 +130,7 @@ def test_an_oracle_error_is_a_harness_error(tmp_path, monkeypatch):
 def test_the_report_counts_a_replayed_case_once():
   """Hypothesis replays a failing example before it reports it: the report
   counts that case once, with its last outcome, in every group it belongs to."""
-  from properties.plugin import build_report
+  from properties.campaign.report import build_report
   record = lambda case, status, ratio: {
       "property": "matches_oracle", "case": case, "oracle": True,
       "groups": ["causal", "dtype:float32"], "status": status, "ratio": ratio,
@@ -147,8 +149,8 @@ def test_more_oracle_chunks_come_after_every_other_test():
   profile's own tests first and unchanged (a short time box still reaches every
   property), then more tests of the oracle properties, one per dtype and
   chunk, each its own Hypothesis seed (a distinct chunk id)."""
-  from properties.plugin import property_tests
-  from properties.profiles import PROFILES
+  from properties.campaign.schedule import property_tests
+  from properties.model.profiles import PROFILES
 
   gpu = PROFILES["gpu"]
   own = property_tests(gpu)
@@ -166,8 +168,8 @@ def test_the_chunked_properties_further_chunks_follow_the_oracles():
   """The exact-mask and hidden-key properties' share of a time box is their
   first round's (chunked_box_share); their further chunks wait for the
   oracle's profile chunks, before the extra ones a time box asks for."""
-  from properties.plugin import first_round_size, property_tests
-  from properties.profiles import PROFILES
+  from properties.campaign.schedule import first_round_size, property_tests
+  from properties.model.profiles import PROFILES
 
   gpu = PROFILES["gpu"]
   tests = property_tests(gpu, 12)[first_round_size(gpu):]
@@ -186,9 +188,9 @@ def test_a_time_box_starts_one_test_of_every_property_first(profile):
   oracle property per dtype) and comes before any further chunk: on one H200 a
   two-minute box that began with ten chunks of matches_oracle per dtype ended
   before seven properties had started."""
-  from properties.capabilities import DTYPES
-  from properties.plugin import first_round_size, property_tests
-  from properties.profiles import PROFILES
+  from properties.model.capabilities import DTYPES
+  from properties.campaign.schedule import first_round_size, property_tests
+  from properties.model.profiles import PROFILES
 
   tests = property_tests(PROFILES[profile], 100)
   first = tests[:first_round_size(PROFILES[profile])]
@@ -205,8 +207,8 @@ def test_the_first_round_spreads_each_propertys_tests_through_it():
   the box is nearly spent: each property's tests are spread through the round
   (a property of four tests has one in each quarter), not left at its end,
   where the hidden-key property's focused tests ran one case each on the H200."""
-  from properties.plugin import first_round_size, property_tests
-  from properties.profiles import PROFILES
+  from properties.campaign.schedule import first_round_size, property_tests
+  from properties.model.profiles import PROFILES
 
   gpu = PROFILES["gpu"]
   size = first_round_size(gpu)
@@ -227,7 +229,7 @@ def test_a_worker_using_each_share_whole_starts_all_its_first_round_tests(worker
   """A worker holding its part of an evenly spread first round, each test
   using its whole share (time_share), starts every one of them inside the box,
   and the last of them is given all that is left."""
-  from properties.plugin import time_share
+  from properties.campaign.schedule import time_share
 
   box, now = 120.0, 0.0
   held = -(-first_round // workers)
@@ -244,13 +246,15 @@ def test_a_chunked_propertys_first_round_takes_its_share_of_the_box():
   tests (each property's four) may go on starting cases for 12% of the box's
   worker-seconds between them, whatever their turn in the round gives them; no
   other profile sets a share."""
-  from properties.plugin import chunked_share
-  from properties.profiles import PROFILES
+  from properties.campaign.schedule import chunked_share
+  from properties.model.profiles import PROFILES
 
   import time
   import types
 
-  from properties.plugin import PropertyTest, Suite, _State, first_round_size, time_share
+  from properties.campaign.hooks import _State
+  from properties.campaign.schedule import PropertyTest, first_round_size, time_share
+  from properties.campaign.session import Suite
 
   gpu = PROFILES["gpu"]
   tests = 1 + len(gpu.chunked_focuses)
@@ -289,7 +293,7 @@ def test_a_short_time_box_starts_each_selected_property(tmp_path):
 def test_a_time_boxed_campaign_hands_out_tests_one_at_a_time():
   import argparse
 
-  from properties.cli import _worker_args, _xdist_has_maxschedchunk
+  from properties.cli.verify import _worker_args, _xdist_has_maxschedchunk
 
   boxed = argparse.Namespace(gpus=1, workers_per_gpu=8, workers=None, minutes=2.0)
   unboxed = argparse.Namespace(gpus=0, workers="2", minutes=None)
@@ -331,8 +335,8 @@ def test_chunked_properties_take_seeds_only_where_the_seed_matters():
   of a compiled configuration (a campaign's share of their cases), but the
   exact mask only where the seed draws its segment ids: without documents its
   inputs are fixed encodings, and a second seed would repeat the first."""
-  from properties.plugin import input_seeds, property_tests
-  from properties.profiles import PROFILES
+  from properties.campaign.schedule import input_seeds, property_tests
+  from properties.model.profiles import PROFILES
 
   gpu, ci = PROFILES["gpu"], PROFILES["ci"]
   plain = Case(batch=1, seq_len=300, num_q_heads=2, num_kv_heads=2, head_dim=32,

@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from properties.case import Case
-from properties.checks import matches_oracle
-from properties.capabilities import load_impl
-from properties.runner import REFERENCE, baseline, floors_of, score
+from properties.model.case import Case
+from properties.checks.checks import matches_oracle
+from properties.model.capabilities import load_impl
+from properties.judge.runner import REFERENCE, baseline, floors_of, score
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = Case(batch=2, seq_len=33, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype="float32",
@@ -43,7 +43,7 @@ def test_an_error_fails_at_an_element_of_small_terms(dtype):
   "Per-element floors")."""
   import jax.numpy as jnp
 
-  from properties.tolerance import FLOOR
+  from properties.judge.tolerance import FLOOR
   case = dataclasses.replace(BASE, dtype=dtype)
   oracle, bounds = baseline(case)
   for name in ("out", "dq", "dk", "dv"):
@@ -76,7 +76,7 @@ def test_nan_fails_even_when_tiny_tolerance():
 
 
 def test_finite_lse_where_oracle_has_minus_inf_is_caught():
-  from properties.tolerance import compare
+  from properties.judge.tolerance import compare
   e = compare("lse", np.array([0.0, 1.0]), np.array([-np.inf, 1.0]), 0.0, 1e-6)
   assert e.inf_mismatch == 1 and not e.ok
 
@@ -84,11 +84,11 @@ def test_finite_lse_where_oracle_has_minus_inf_is_caught():
 def test_jax_nn_adapter_passes_on_what_it_supports():
   case = dataclasses.replace(BASE, cap_method="none", cap_params=(), return_lse=False,
                              window_len=5, tiles=None)
-  matches_oracle(load_impl("properties.impls:jax_nn_attention"), case)
+  matches_oracle(load_impl("properties.peers.impls:jax_nn_attention"), case)
 
 
 def test_overflow_to_inf_of_the_right_sign_is_accepted():
-  from properties.tolerance import compare
+  from properties.judge.tolerance import compare
   f16 = np.array([np.inf, -np.inf, 1.0], np.float16)
   ok = compare("dq", f16, np.array([7e4, -9e4, 1.0]), 0.0, 1e-3)
   assert ok.ok, ok
@@ -107,8 +107,8 @@ def test_lse_floor_covers_float32_logits_summed_in_sequence():
   the lse floor counted the logit's products: 1.73e-5)."""
   from pathlib import Path
 
-  from properties.case import load_case_file
-  from properties.inputs import make_inputs
+  from properties.model.case import load_case_file
+  from properties.model.inputs import make_inputs
 
   path = Path(__file__).parent / "regressions" / "precision-float32-lse-cancelling-logits.json"
   payload = load_case_file(path)
@@ -141,8 +141,8 @@ def test_jitted_blocked_terms_equal_the_cpu_path(dtype, cap, monkeypatch):
   last one padded) equal the CPU's (numpy, one block) to float64 rounding."""
   import jax
 
-  from properties import error_terms
-  from properties.runner import _reference, make_inputs, x64
+  from properties.judge import error_terms
+  from properties.judge.runner import _reference, make_inputs, x64
   case = dataclasses.replace(BASE, dtype=dtype, cap_method=cap,
                              cap_params=(3.0,) if cap != "none" else (), segments="packed")
   inputs = make_inputs(case)
@@ -167,8 +167,8 @@ def test_a_logit_on_the_hard_caps_step_gets_its_derivative_either_way(monkeypatc
   millions of pairs, and dq, dk failed). The floors allow that pair's ds either
   way, only because of the step's allowance, only at that pair, and only while
   c lies within the logit's rounding (half of it away: allowed; twice: not)."""
-  from properties import error_terms, tolerance
-  from properties.runner import _reference, make_inputs, x64
+  from properties.judge import error_terms, tolerance
+  from properties.judge.runner import _reference, make_inputs, x64
   case = dataclasses.replace(BASE, cap_method="hard", cap_params=(1.0,), causal=False)
   inputs = make_inputs(case)
   q, k = (np.asarray(inputs[n], np.float64) for n in ("q", "k"))
@@ -216,9 +216,9 @@ def test_a_probability_a_gpu_flushes_to_zero_is_within_the_floors(monkeypatch):
   made of such probabilities only, is 0 instead of 1.9e-19. The floors allow a
   probability below 2^-126 its whole value (and a ds 2^-126), so that dk
   element's floor covers it; with no such allowance (as before) it does not."""
-  from properties import tolerance
-  from properties.case import load_case_file
-  from properties.runner import _reference, make_inputs, x64
+  from properties.judge import tolerance
+  from properties.model.case import load_case_file
+  from properties.judge.runner import _reference, make_inputs, x64
   path = ROOT / "docs" / "verification" / "cases" / \
       "ua_kernels-float32-flushed-probability-t383-dk.json"
   case = load_case_file(path)["case"]

@@ -33,12 +33,12 @@ import tempfile
 import time
 from typing import Callable, Iterator
 
-from .capabilities import Implementation
-from .case import Case, write_case_file
-from .checks import PropertyFailure
-from .profiles import BUCKETS
-from .registry import Property
-from .verifier import CaseFailure, HarnessFailure, Verifier, replay_command
+from ..model.capabilities import Implementation
+from ..model.case import Case, write_case_file
+from ..checks.checks import PropertyFailure
+from ..model.profiles import BUCKETS
+from ..checks.registry import Property
+from ..run.verifier import CaseFailure, HarnessFailure, Verifier, replay_command
 
 # Tile lengths whose edges (b, b + 1, 2b, 2b + 1) T is tried at, besides the
 # implementation's own (ua_block_sizes) and the case's tiles: off-by-one tile

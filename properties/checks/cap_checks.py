@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from ua_reference.caps import CAP_METHODS, CapMethod
 
-from .runner import x64
-from .tolerance import FORM_TOLERANCE
+from ..judge.runner import x64
+from ..judge.tolerance import FORM_TOLERANCE
 
 
 class CapCheckFailure(AssertionError):

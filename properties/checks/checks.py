@@ -1,6 +1,6 @@
 """The properties. Each takes (impl, case) and returns the comparisons it
-made, raising PropertyFailure when one is out of tolerance. properties/registry.py
-says which cases each applies to; properties/verifier.py runs them.
+made, raising PropertyFailure when one is out of tolerance. properties/checks/registry.py
+says which cases each applies to; properties/run/verifier.py runs them.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from . import error_terms
-from .bias import CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, output_dtype, stats, verdicts
-from .capabilities import Implementation, load_impl
-from .case import Case
-from .inputs import logit_scale, make_inputs
-from .runner import (HarnessError, baseline, evaluate, evaluate_arrays, evaluate_forward,
+from ..judge import error_terms
+from ..judge.bias import (CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, output_dtype, stats,
+                          verdicts)
+from ..model.capabilities import Implementation, load_impl
+from ..model.case import Case
+from ..model.inputs import logit_scale, make_inputs
+from ..judge.runner import (HarnessError, baseline, evaluate, evaluate_arrays, evaluate_forward,
                      reference_result, score, x64)
-from .tolerance import FLOOR, OutputError, compare, error_table
+from ..judge.tolerance import FLOOR, OutputError, compare, error_table
 
 
 class PropertyFailure(AssertionError):

@@ -44,10 +44,10 @@ import numpy as np
 from ua_reference import visible_keys
 from ua_reference.caps import CAP_METHODS
 
-from .case import Case
-from .inputs import DTYPES, make_inputs
-from .runner import evaluate_arrays
-from .tolerance import OutputError
+from ..model.case import Case
+from ..model.inputs import DTYPES, make_inputs
+from ..judge.runner import evaluate_arrays
+from ..judge.tolerance import OutputError
 
 QUERY_SCALE = 2.0 ** -3  # keeps sm_scale * QUERY_SCALE below every drawn cap (>= sm_scale / 4 * sqrt(D))
 LSE_COTANGENT = 1024.0  # makes float16 dk of T = 16k rows (about 1e-4) a normal number

@@ -14,7 +14,7 @@ from typing import Callable
 from ua_reference.caps import CAP_METHODS
 
 from . import checks, mask_check
-from .case import Case
+from ..model.case import Case
 
 
 def _always(case: Case) -> bool:

@@ -1,4 +1,4 @@
-"""Calibrates the tolerance model from data: python -m properties.calibrate.
+"""Calibrates the tolerance model from data: python -m properties.judge.calibrate.
 
 Runs N random cases of an implementation believed correct, records for each
 output its largest error against the float64 oracle, the same-precision
@@ -20,10 +20,10 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from .capabilities import load_impl
+from ..model.capabilities import load_impl
 from .runner import baseline, evaluate, score
-from .profiles import BUCKETS
-from .strategies import cases
+from ..model.profiles import BUCKETS
+from ..model.strategies import cases
 from .tolerance import ALPHA, FLOOR
 
 
@@ -54,7 +54,7 @@ def add_floors(records) -> None:
   """Fills in ``floor`` for records of the global-floor model saved before that
   model's floor changed (recomputes each case's oracle; errors are kept as
   measured). The per-element model's records carry their ratios instead."""
-  from .case import Case
+  from ..model.case import Case
   cache = {}
   for r in records:
     if "floor" in r or "ratio" in r:

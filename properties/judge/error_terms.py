@@ -27,7 +27,7 @@ temperature, s the softmax scale, c' the cap's derivative):
   backward recomputes p); in dq the lse's part, again one factor per row, as
   ``recompute |lse_i| |dq_i|``. Their dots' rounding is the same-precision
   reference's too, and ALPHA times its error covers it. Both with, for 16-bit
-  inputs with a cap, a cap form's own error (``form``, properties/cap_checks.py):
+  inputs with a cap, a cap form's own error (``form``, properties/checks/cap_checks.py):
   ``form`` times the largest cap parameter in the cap's value, ``form`` in its
   derivative (``|ds|`` with ``|c'|`` replaced by it). dq and dk also with the
   float32 dot ``dp = dO_i.v_j`` (``u32 (|dO_i|.|v_j| + D_i)``), and with the

@@ -5,7 +5,7 @@ them in float64 numpy on the host (the comparison, the tolerance, the bias
 counts) took 12 of the 18 seconds of such a case on the H200, the
 implementation and the float64 oracle about one (docs/VERIFICATION.md,
 "Comparisons on the device"). Those reductions are written once, as functions
-of an array module ``xp`` (as properties/error_terms.py's terms are), and
+of an array module ``xp`` (as properties/judge/error_terms.py's terms are), and
 ``reduce`` runs them jitted in float64 on the device for a large output, in
 numpy on the host otherwise: the same elementwise IEEE arithmetic, only sums
 in another order. tests/test_reductions.py holds the two to each other. Small

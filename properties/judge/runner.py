@@ -29,9 +29,9 @@ import numpy as np
 
 import ua_reference
 
-from .capabilities import Implementation, declare
-from .case import Case
-from .inputs import make_inputs
+from ..model.capabilities import Implementation, declare
+from ..model.case import Case
+from ..model.inputs import make_inputs
 from .error_terms import HARNESS_COMPILER_OPTIONS, host_device
 from .tolerance import OUTPUTS, OutputError, compare, element_tolerance, floors
 

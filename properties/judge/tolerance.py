@@ -9,14 +9,14 @@ rho = max_e |X_ref[e] - X_oracle[e]| / floor[X][e] (the reference's error in
 units of the floor, element_tolerance), and
 floor[X][e] = FLOOR[dtype] * max(|X_oracle[e]|, the sum of the absolute values of
 the terms e sums) plus the logits' rounding carried through those sums
-(floors, properties.error_terms): an element whose terms cancel keeps their
+(floors, properties.judge.error_terms): an element whose terms cancel keeps their
 allowance, and every other element gets one of its own size. The logits' error
 counts one rounding of each logit and row lse (RECOMPUTE_EPS): a kernel that
 recomputes p in the backward sees them one ulp away from its forward's, which
 a reference computing p once does not. ALPHA scales with how much more
 rounding a fused kernel does than the reference (16-bit probabilities and ds
 tiles in the matmuls); FLOOR covers cases whose reference happens to round
-almost exactly. Both come from data: see properties/calibrate.py and
+almost exactly. Both come from data: see properties/judge/calibrate.py and
 docs/TOLERANCES.md. NaN/inf are checked separately and always fail (lse = -inf
 only where the oracle has -inf).
 """
@@ -32,7 +32,7 @@ from . import error_terms, reductions
 
 OUTPUTS = ("out", "lse", "dq", "dk", "dv")
 
-# Calibrated in docs/TOLERANCES.md (properties/calibrate.py); FLOOR is two unit
+# Calibrated in docs/TOLERANCES.md (properties/judge/calibrate.py); FLOOR is two unit
 # roundoffs of a 16-bit dtype and four of float32's ("Tighter floors" there).
 ALPHA = {"out": 4.0, "lse": 4.0, "dq": 4.0, "dk": 4.0, "dv": 4.0}
 FLOOR = {"float32": 4 * 2.0 ** -24, "bfloat16": 2 * 2.0 ** -8, "float16": 2 * 2.0 ** -11,
@@ -61,7 +61,7 @@ RECOMPUTE_EPS = 2.0 ** -23
 # Max |form - exact| of an implementation's own cap form beyond the exact form's
 # float32 error, relative to the largest cap parameter (forward) or absolute
 # (derivative, within [0, 1]): float16's rounding, 2^-11, with a factor 2 for
-# the derivative's 2t * dt. properties/cap_checks.py holds declared forms to it;
+# the derivative's 2t * dt. properties/checks/cap_checks.py holds declared forms to it;
 # the floors of 16-bit capped cases allow it to any implementation.
 FORM_TOLERANCE = 2.0 ** -10
 
@@ -110,7 +110,7 @@ def element_tolerance(name: str, ref, oracle, floor) -> tuple[float, np.ndarray]
   (over elements with a floor), so that every element is allowed ALPHA times
   what the reference needed at its worst, in its own units; plus ALPHA times
   the reference's error where the floor is 0 (no terms: nothing to round).
-  Large outputs are reduced on the device (properties.reductions)."""
+  Large outputs are reduced on the device (properties.judge.reductions)."""
   err_ref, rho, unfloored = reductions.reduce(_tolerance_terms, ref, oracle, floor)
   tolerance = np.multiply(np.broadcast_to(np.asarray(floor, np.float64), np.shape(oracle)),
                           1.0 + ALPHA[name] * rho)
@@ -136,7 +136,7 @@ def floors(case, inputs: dict, oracle: dict, lse) -> dict[str, np.ndarray]:
   docs/TOLERANCES.md, "Per-element floors").
 
   out, dq, dk, dv: FLOOR[dtype] times the larger of the element's oracle value
-  and the sum of the absolute values of its terms (properties.error_terms),
+  and the sum of the absolute values of its terms (properties.judge.error_terms),
   plus the logits' own rounding carried through the same sums, plus
   UNDERFLOW[dtype]. lse: FLOOR[float32] of max(|lse|, 1) and the logits'
   rounding, for every input dtype: lse is a float32 output of the contract, so

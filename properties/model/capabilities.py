@@ -212,13 +212,19 @@ def declare(name: str, fn: Callable) -> Implementation:
   return Implementation(name, fn, **kwargs)
 
 
+# The peers' adapters' modules before properties/peers/ held them: case files
+# and commands that name one still load it, under the name they give.
+MOVED_MODULES = {f"properties.{name}": f"properties.peers.{name}"
+                 for name in ("impls", "impls_splash", "impls_tokamax")}
+
+
 def load_impl(spec: str) -> Implementation:
   """Imports ``module:function`` (the function part may be dotted) with its declarations."""
   if not isinstance(spec, str) or ":" not in spec:
     raise ValueError(f"--impl must look like module:function, got {spec!r}")
   module_name, attr = spec.split(":", 1)
   try:
-    obj = importlib.import_module(module_name)
+    obj = importlib.import_module(MOVED_MODULES.get(module_name, module_name))
   except ModuleNotFoundError as exc:
     if exc.name is None or not module_name.startswith(exc.name):
       raise  # the module exists; something it imports does not

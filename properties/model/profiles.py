@@ -98,7 +98,7 @@ class Profile:
   oracle_chunks: int = 1
   oracle_examples: int | None = None
   seeds: int = 1
-  # Examples of each focused oracle test (plugin.focuses(): per cap method and
+  # Examples of each focused oracle test (campaign.schedule.focuses(): per cap method and
   # dtype; per mask kind and dtype, which matches_oracle also draws half the
   # time each), and of the long one per dtype.
   focus_examples: int = 2
@@ -110,7 +110,7 @@ class Profile:
   # their own example budget each), so that a campaign gives them a share of
   # its cases, not one test's: their first chunk and focused tests in the first
   # round (for chunked_box_share of the box), their further chunks after the
-  # oracle's (plugin.property_tests).
+  # oracle's (campaign.schedule.property_tests).
   chunked_properties: tuple[str, ...] = ()
   chunked_examples: int = 1  # examples of each of their tests
   # Input seeds per configuration of a chunked property, where the seed
@@ -122,7 +122,7 @@ class Profile:
   chunked_focuses: tuple[str, ...] = ()
   # The least share of a time box's worker-seconds that each chunked property's
   # first-round tests take between them: without it, how long they may go on
-  # is each test's turn in the round (plugin.time_share), and a short box gave
+  # is each test's turn in the round (campaign.schedule.time_share), and a short box gave
   # the hidden-key property 6.0% of its cases (docs/VERIFICATION.md).
   chunked_box_share: float = 0.0
   # Whether focused oracle tests draw from rotated choices (strategies.cases),

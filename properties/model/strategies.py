@@ -2,8 +2,8 @@
 
 Shapes come from small per-profile buckets and every static option from a few
 values, so compiled callables are reused across examples; tensor values come
-from the drawn seed (properties/inputs.py). What the implementation declares
-(properties/capabilities.py) bounds what is drawn: its dtypes and head dims,
+from the drawn seed (properties/model/inputs.py). What the implementation declares
+(properties/model/capabilities.py) bounds what is drawn: its dtypes and head dims,
 its features, and its tiles, around whose edges sequence lengths and windows
 are drawn (k*b - 1, k*b, k*b + 1), where off-by-one tile bounds live.
 """
@@ -89,7 +89,7 @@ def undrawable(buckets: Buckets, impl: Implementation, require=frozenset(),
     return f"{impl.name} declares dtypes {impl.dtypes}, none of the profile's {buckets.dtypes}"
   if not impl.head_dim_choices(buckets.head_dims):
     return (f"{impl.name} declares none of the head dims {sorted(set(buckets.head_dims))} "
-            f"nor any of properties.capabilities.HEAD_DIM_LADDER")
+            f"nor any of properties.model.capabilities.HEAD_DIM_LADDER")
   pairs = [p for p in buckets.heads if
            ("gqa" not in require or p[0] != p[1]) and
            ("gqa" not in unsupported | set(forbid) or p[0] == p[1])]
@@ -166,13 +166,7 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
     distribution = "large"
   sm_scale = choose([None, None, 0.5 / math.sqrt(d), 2.0 / math.sqrt(d), -1.0 / math.sqrt(d)])
 
-  methods = sorted(m for m in CAP_METHODS if m != "none" and impl.supports_cap(m))
-  if cap is not None:
-    cap_method = cap
-  elif methods and flag("cap"):
-    cap_method = choose(methods)
-  else:
-    cap_method = "none"
+  cap_method = _cap_method(impl, cap, flag, choose)
   case = Case(batch=batch, seq_len=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
               dtype=dtype, causal=causal, window_len=window, segments=segments,
               temperature=temperature, sm_scale=sm_scale, z_loss_weight=z_loss,
@@ -185,3 +179,14 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
   params = tuple(scale * choose([0.25, 0.5, 1.0, 2.0, 0.1, 3.0])
                  for _ in CAP_METHODS[cap_method].param_names)
   return dataclasses.replace(case, cap_method=cap_method, cap_params=params)
+
+
+def _cap_method(impl: Implementation, cap: str | None, flag, choose) -> str:
+  """The case's cap method: ``cap`` where given (ua-fuzz --cap), else one
+  ``impl`` supports where the cap feature is drawn on, else none."""
+  methods = sorted(m for m in CAP_METHODS if m != "none" and impl.supports_cap(m))
+  if cap is not None:
+    return cap
+  if methods and flag("cap"):
+    return choose(methods)
+  return "none"

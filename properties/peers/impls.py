@@ -1,7 +1,7 @@
 """Adapters: other attention implementations behind the contract's signature,
 each declaring what it supports (docs/PEERS.md says why, peer by peer).
 
-Verify one with ``ua-verify --impl properties.impls:<name>``. They import their
+Verify one with ``ua-verify --impl properties.peers.impls:<name>``. They import their
 peer lazily, so the suite imports nothing of them until asked.
 """
 
@@ -102,7 +102,7 @@ pallas_triton_mha.ua_block_sizes = (64, 128)
 def splash_attention(q, k, v, **kwargs):
   """JAX's Pallas-TPU splash attention (``jax.experimental.pallas.ops.tpu.
   splash_attention``) behind the contract: on a TPU its compiled kernels, else
-  its interpret mode (properties/impls_splash.py holds the mapping)."""
+  its interpret mode (properties/peers/impls_splash.py holds the mapping)."""
   from .impls_splash import attention
   return attention(q, k, v, **kwargs)
 

@@ -1,5 +1,5 @@
-"""JAX's Pallas-TPU splash attention behind the contract (``properties.impls:splash_attention``
-loads it; docs/PEERS.md, "Splash attention").
+"""JAX's Pallas-TPU splash attention behind the contract
+(``properties.peers.impls:splash_attention`` loads it; docs/PEERS.md, "Splash attention").
 
 ``attention(q, k, v, *, segment_ids=None, causal=False, window_len=0, cap_method="none",
 cap_params=(), temperature=None, sm_scale=None, z_loss_weight=0.0, return_lse=False,

@@ -1,6 +1,6 @@
 """tokamax (Pallas Mosaic-GPU flash attention) behind the unified-attention contract.
 
-Verify it with ``ua-verify --impl properties.impls_tokamax:tokamax_attention`` on a
+Verify it with ``ua-verify --impl properties.peers.impls_tokamax:tokamax_attention`` on a
 Hopper GPU with tokamax installed (docs/PEERS.md says how it was carried there).
 
 ``tokamax_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
@@ -67,7 +67,8 @@ def install_xprof_stub() -> None:
   pkg.cli, cli.tools = cli, tools
 
   def get_kernel_stats_tool(*_a, **_k):
-    raise RuntimeError("xprof is not installed (stub from properties.impls_tokamax.install_xprof_stub)")
+    raise RuntimeError("xprof is not installed (stub from "
+                       "properties.peers.impls_tokamax.install_xprof_stub)")
 
   tools.get_kernel_stats_tool = get_kernel_stats_tool
   sys.modules.update({"xprof": pkg, "xprof.cli": cli, "xprof.cli.tools": tools})
@@ -227,7 +228,7 @@ def tokamax_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
   return out, _lse_without_gradient(lse.astype(jnp.float32))
 
 
-# Capability declarations (properties/capabilities.py).
+# Capability declarations (properties/model/capabilities.py).
 tokamax_attention.ua_unsupported = {"temperature", "z_loss", "lse"}
 tokamax_attention.ua_cap_methods = ("tanh",)
 tokamax_attention.ua_dtypes = ("bfloat16", "float16")

@@ -23,12 +23,12 @@ from typing import Callable
 
 import numpy as np
 
-from .capabilities import Implementation
-from .case import Case, write_case_file
+from ..model.capabilities import Implementation
+from ..model.case import Case, write_case_file
 from .compile_clock import clock, persistent_cache_on
-from .registry import Property
-from .runner import HarnessError, baseline, prepare, x64
-from .tolerance import OutputError
+from ..checks.registry import Property
+from ..judge.runner import HarnessError, baseline, prepare, x64
+from ..judge.tolerance import OutputError
 
 # Characters of a failure's message kept in its record: the exception and the
 # error table of a case; the whole message stays in its case file.
@@ -209,11 +209,11 @@ class Verifier:
 
   def _record(self, prop, case, status, errors, start, replay, message="", biased=(),
               harness_seconds=0.0):
-    """One case's record for the report (plugin.build_report): its outcome,
+    """One case's record for the report (campaign.report.build_report): its outcome,
     worst error/tolerance overall and per output (None: not finite), and its
     time split into compile_seconds (tracing, lowering and compiling: the
     implementation's callables on a shape's first call, the oracle's and the
-    reference's executables; properties/compile_clock.py) and run_seconds (the
+    reference's executables; properties/run/compile_clock.py) and run_seconds (the
     rest), with the compilations it needed (and, with JAX's persistent cache
     on, how many of them the cache served); a case that did not pass keeps the
     start of its message, so that a report read away from the machine that ran
