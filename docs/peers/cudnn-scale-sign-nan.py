@@ -8,7 +8,7 @@ This project's exact-mask property found every output element of cuDNN not finit
 case with scale = -1/sqrt(128); the script sweeps the sign of ``scale`` over two kinds of
 inputs.
 
-The inputs are those of this project's exact-mask property (properties/mask_check.py):
+The inputs are those of this project's exact-mask property (properties/checks/mask_check.py):
 batch row r checks key chunk [r*D, (r+1)*D); there key r*D + e has k = v = e_e (all other
 keys zero) and query r*D + e has q = e_e / 8 (all other queries zero). Every logit is 0 but
 the chunk's diagonal (D^-0.5 / 8), so every probability is positive and finite, and out,
