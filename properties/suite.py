@@ -3,8 +3,9 @@
     pytest --pyargs properties.suite --impl mypkg.mod:fn [--hypothesis-profile ua-dev]
 
 One test per property of properties/checks/registry.py (per dtype, and in chunks under
-the gpu profile, for the oracle property); properties/plugin.py parametrizes
-them and provides the ``ua_suite`` fixture.
+the gpu profile, for the oracle property); the plugin parametrizes them
+(properties/campaign/schedule.py) and provides the ``ua_suite`` fixture
+(properties/campaign/session.py).
 """
 
 
