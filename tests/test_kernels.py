@@ -617,6 +617,28 @@ def test_float32_backward_probabilities_are_the_forwards_at_large_logits():
   assert kept < 1e-6 and one_float > 1e-2, (kept, one_float)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_one_hot_rows_have_no_logit_gradient_at_large_scales(dtype):
+  """At sm_scale 1e6 every causal row of normal inputs is one-hot (its logits
+  lie thousands of units apart), so dq and dk are 0 to within float32's
+  rounding of the row's dp - delta. Before the exp2 argument became
+  (s - max s) * scale the interpreted kernels gave float32 dq of 6 and dk of
+  5.8 there, and NaN at 1e9 (docs/DEFECTS.md, L1). The default tiles: the
+  forward's and the backward's differ in shape, as the CPU's dot rounding did."""
+  rng = np.random.default_rng(0)
+  q, k, v, do = (jnp.asarray(rng.normal(size=(1, 33, 2, 32)), dtype) for _ in range(4))
+  for sm_scale in (1e6, 1e9):
+    loss = lambda q, k, v: jnp.sum(ua_kernels.attention(
+        q, k, v, causal=True, sm_scale=sm_scale).astype(jnp.float32) * do)
+    dq, dk, dv = (np.asarray(g, np.float64) for g in jax.grad(loss, (0, 1, 2))(q, k, v))
+    assert np.isfinite(dv).all() and np.abs(dv).max() > 1.0
+    # float32 dq, dk: exactly 0; 16-bit ones carry their output's rounding
+    # in delta, times sm_scale (a few units at 1e6, 1e3 times that at 1e9).
+    bound = 0.0 if dtype == jnp.float32 else 1e-5 * sm_scale
+    assert np.abs(dq).max() <= bound and np.abs(dk).max() <= bound, (
+        sm_scale, np.abs(dq).max(), np.abs(dk).max())
+
+
 def test_capped_16_bit_output_is_normalised_by_the_probabilities_it_used():
   """Under a cap a row's logits sit on a few values, so its probabilities
   round to 16 bits alike for P @ V; normalised by their unrounded sum, every
