@@ -15,8 +15,9 @@ change one thing, and prints each one's max |dk - exact dk|:
   and rounded once into the running dk (tile_math.gradient_product);
 - ``lse2``: the scores as in ``scores``, their base-2 logits rounded to
   float32 (as the kernels form them), and the probabilities recomputed from
-  the row's lse2 rounded to float32, as the backward reads it without
-  lse2_low (SoftmaxState.finalize); everything else exact.
+  the row's lse2 rounded to float32, as a backward reads it that has one
+  float32 row statistic without SoftmaxState.finalize's low part; everything
+  else exact.
 
 Keys more than ``--cut`` below a row's largest logit are dropped (probability
 below e^-cut): for the saved T=16384 case cuts of 20 and 25 agree to eight digits
