@@ -5,7 +5,7 @@ T*W-ish for windows: counted exactly from the mask), forward+backward 3.5x.
 Timing: median over --repeats rounds that time every implementation of a
 configuration in turn (time_interleaved), after warm-up; block_until_ready.
 Each peer runs at its best-known configuration (PEER_CONFIGS), ours at its
-tuned defaults (ua_kernels/tuned_configs.py). Prints a table headed by date,
+tuned defaults (ua_kernels/triton/tuned.py, mosaic/tuned.py). Prints a table headed by date,
 GPU, commit and versions, and writes it as JSON: provenance() fields, then
 "rows", each with its case, implementation and that implementation's "config".
 """
@@ -33,7 +33,7 @@ import numpy as np
 
 import ua_kernels
 from properties.peers.impls import PALLAS_MHA_TILES
-from ua_kernels.attention import backward_backend, forward_backend
+from ua_kernels.attention import backends_for
 from ua_kernels.backends import triton_attention
 from ua_kernels.tuned_configs import default_config
 from ua_reference.contract import validate
@@ -310,8 +310,7 @@ def feature_rows(options):
       spec = validate(args_q, k, v, **kw)[0]
       config = default_config(spec, q.dtype)
       configs[name] = {**dataclasses.asdict(config), "shape": list(args_q.shape),
-                       "forward": forward_backend(spec, config, q.dtype),
-                       "backward": backward_backend(spec, config, q.dtype)}
+                       **backends_for(spec, config, q.dtype)._asdict()}
       static = {key: kw[key] for key in ("causal", "z_loss_weight")}
       impls[name] = (functools.partial(_with_runtime_options, ua_kernels.attention, **static),
                      (args_q, k, v, seg, temp))
@@ -409,8 +408,7 @@ def main(argv=None):
                               ("ua_kernels[triton]", triton_attention))}
     args = (q, k, v) + ((seg,) if doc else ())
     configs = {"ua_kernels": {**dataclasses.asdict(config),
-                              "forward": forward_backend(spec, config, q.dtype),
-                              "backward": backward_backend(spec, config, q.dtype)},
+                              **backends_for(spec, config, q.dtype)._asdict()},
                "ua_kernels[triton]": {**dataclasses.asdict(config), "forward": "triton",
                                       "backward": "triton"},
                **PEER_CONFIGS}

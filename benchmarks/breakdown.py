@@ -18,7 +18,9 @@ import numpy as np
 
 import ua_kernels
 from benchmarks.bench import CONFIGS, _fwd_bwd, provenance, time_interleaved, visible_pairs
-from ua_kernels import mosaic_backward, mosaic_forward
+from ua_kernels import cap_forms
+from ua_kernels.mosaic import backward as mosaic_backward
+from ua_kernels.mosaic import forward as mosaic_forward
 from ua_kernels.tuned_configs import default_config
 from ua_reference.contract import validate
 
@@ -40,7 +42,7 @@ def main():
               cap_method="tanh" if cap else "none", cap_params=(cap,) if cap else ())
     spec = validate(q, k, v, **kw)[0]
     config = default_config(spec, q.dtype)
-    fast_cap = attention_module._fast_cap(spec, q.dtype)
+    fast_cap = cap_forms.fast_cap(spec, q.dtype)
     out, lse2 = jax.jit(lambda q, k, v: mosaic_forward.forward(
         spec, config.mosaic, q, k, v, None, None, fast_cap=fast_cap))(q, k, v)
     dlse = jnp.zeros(lse2.shape, jnp.float32)

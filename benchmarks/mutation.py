@@ -40,9 +40,10 @@ class Mutant:
   rotates: bool = True
 
 
-TILE_MATH, KERNELS, ATTENTION, SOFTMAX_STATE, SEGMENT_SPANS, CAP_FORMS = (
-    "ua_kernels/tile_math.py", "ua_kernels/kernels.py", "ua_kernels/attention.py",
-    "ua_kernels/softmax_state.py", "ua_kernels/segment_spans.py", "ua_kernels/cap_forms.py")
+TILE_MATH, KERNELS, LAUNCH, ATTENTION, SOFTMAX_STATE, SEGMENT_SPANS, CAP_FORMS = (
+    "ua_kernels/tile_math.py", "ua_kernels/triton/kernels.py", "ua_kernels/triton/launch.py",
+    "ua_kernels/attention.py", "ua_kernels/softmax_state.py", "ua_kernels/segment_spans.py",
+    "ua_kernels/cap_forms.py")
 
 MUTANTS = [
     # --- the original kernel's defects, re-introduced ---------------------------------------
@@ -122,7 +123,7 @@ MUTANTS = [
     Mutant("M14", KERNELS, "term = gradient_product(ds16, q, trans_a=True)",
            "term = gradient_product(ds.astype(jnp.float16), q.astype(jnp.float16), trans_a=True)",
            "dk accumulated from float16 ds"),
-    Mutant("M15", ATTENTION, "lambda i, bi, h: (bi, 0, h // group, 0))",
+    Mutant("M15", LAUNCH, "lambda i, bi, h: (bi, 0, h // group, 0))",
            "lambda i, bi, h: (bi, 0, h % spec.num_kv_heads, 0))",
            "GQA head mapping h % Hkv instead of h // G (forward and dq kernels)"),
     Mutant("M16", ATTENTION, "  return out, _lse2(spec, temp, shift, low) * LN2\n",
@@ -161,7 +162,7 @@ MUTANTS = [
     Mutant("M28", TILE_MATH, "jnp.minimum(hi, _ceil_div(span_hi, block))",
            "jnp.minimum(hi, _div(span_hi, block))",
            "tile range narrowed to a segment span rounded down at its end (a partial tile dropped)"),
-    Mutant("M29", ATTENTION, "FAST_CAP_MAX_PARAM = 64.0", "FAST_CAP_MAX_PARAM = float('inf')",
+    Mutant("M29", CAP_FORMS, "FAST_CAP_MAX_PARAM = 64.0", "FAST_CAP_MAX_PARAM = float('inf')",
            "bfloat16 fast tanh for any cap (its error grows with the cap)"),
     Mutant("M30", TILE_MATH, "  return jnp.dtype(dtype) == jnp.dtype(jnp.float16)",
            "  return False",
@@ -211,7 +212,7 @@ MUTANTS = [
            "    ds = ds * (1.0 if spec.cap_method == 'hard' else\n"
            "               cap_grad(logits.cap_arg, *logits.cap_params))\n",
            "hard cap's gradient passed straight through (1 beyond the cap instead of 0)"),
-    Mutant("S5", ATTENTION, "  q, k, v = (_pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))",
+    Mutant("S5", LAUNCH, "  q, k, v = (_pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))",
            "  q, k, v = (_pad(x[..., :128], {1: seq_pad, 3: head_dim}) for x in (q, k, v))",
            "head-dim columns beyond 128 dropped from q, k and v (a kernel written for D <= 128): "
            "wrong only for D > 128"),

@@ -57,7 +57,7 @@ def lowered_text(module, dtype, options, t=48) -> str:
 
 
 # (T, head dim, causal) of bfloat16 calls at 16k tokens, 16 heads: the per-item
-# and persistent forwards (tuned_configs.mosaic_tiles) and both backward forms.
+# and persistent forwards (mosaic.tuned.mosaic_tiles) and both backward forms.
 MOSAIC_CONFIGS = ((1024, 64, True), (1024, 256, True), (4096, 128, False),
                   (16384, 128, False), (16384, 256, True))
 
@@ -80,9 +80,14 @@ def _unescape(text: str) -> bytes:
   return bytes(out)
 
 
+# jax 0.11 names each lowered kernel's dump file with a process-wide counter
+# ("ua_forward_mosaic_3"): the same kernel lowered later in one process differs there only.
+_DUMP_COUNTER = re.compile(r'(mosaic_gpu\.dump_basename = "[^"]*?)_\d+"')
+
+
 def mosaic_modules(lowered: str) -> list[str]:
   """Each Mosaic GPU kernel's module in a lowered program's text, printed
-  without locations."""
+  without locations and without the dump file's counter."""
   from jax._src.interpreters import mlir as jax_mlir
   from jax._src.lib.mlir import ir
   from jax.experimental.mosaic.gpu import dialect as mosaic_gpu_dialect
@@ -90,8 +95,8 @@ def mosaic_modules(lowered: str) -> list[str]:
   mosaic_gpu_dialect.register_dialect(context)
   context.allow_unregistered_dialects = True
   with context:
-    return [ir.Module.parse(_unescape(body)).operation.get_asm(enable_debug_info=False)
-            for body in _MODULE.findall(lowered)]
+    return [_DUMP_COUNTER.sub(r'\1"', ir.Module.parse(_unescape(body)).operation.get_asm(
+        enable_debug_info=False)) for body in _MODULE.findall(lowered)]
 
 
 def _operations(module_text: str) -> list[str]:

@@ -4,7 +4,7 @@ For each (head dim, masking, cap) it times the forward over forward tilings,
 then (unless --fwd-only) forward+backward over backward tilings with the best
 forward. ``--backend mosaic`` sweeps the Mosaic GPU kernels' MosaicTiles
 instead (Hopper only). Candidates of one sweep are timed round-robin (bench.time_interleaved),
-so their ranking survives clock drift. ua_kernels/tuned_configs.py records the
+so their ranking survives clock drift. ua_kernels/triton/tuned.py and mosaic/tuned.py record the
 winners. The JSON holds bench.provenance()'s fields (commit, command, versions,
 GPU, date) and "rows", the best configuration per shape.
 """
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ua_kernels
-from ua_kernels import KernelConfig, MosaicTiles, mosaic_backward
+from ua_kernels import KernelConfig, MosaicTiles
+from ua_kernels.mosaic import backward as mosaic_backward
 from ua_kernels.tuned_configs import effective_config
 from ua_reference.contract import validate
 from benchmarks.bench import _fwd_bwd, provenance, time_interleaved

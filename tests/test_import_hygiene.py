@@ -73,12 +73,12 @@ def test_the_plugin_loads_nothing_heavy():
   assert "LOADED []" in proc.stdout, proc.stdout
 
 
-def _imports() -> dict[str, set[str]]:
-  """Every module of the suite and the suite's modules it imports, at module
-  level or inside a function (a lazy import is a dependency too)."""
+def _imports(root: pathlib.Path = PACKAGE, ours=("properties",)) -> dict[str, set[str]]:
+  """Every module of the package at ``root`` and the modules of ``ours`` it imports, at
+  module level or inside a function (a lazy import is a dependency too)."""
   out = {}
-  for path in sorted(PACKAGE.rglob("*.py")):
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+  for path in sorted(root.rglob("*.py")):
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     package = parts[:-1]  # a module's package, or an __init__'s own
     name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
     found = set()
@@ -86,15 +86,15 @@ def _imports() -> dict[str, set[str]]:
       if isinstance(node, ast.ImportFrom):
         base = package[:len(package) - node.level + 1] if node.level else []
         module = ".".join(base + ([node.module] if node.module else []))
-        if not module.startswith("properties"):
+        if not module.startswith(ours):
           continue
         found.add(module)
         for alias in node.names:  # a module imported from its package
-          path = PACKAGE.parent / f"{module}.{alias.name}".replace(".", "/")
+          path = root.parent / f"{module}.{alias.name}".replace(".", "/")
           if path.is_dir() or path.with_suffix(".py").exists():
             found.add(f"{module}.{alias.name}")
       elif isinstance(node, ast.Import):
-        found.update(a.name for a in node.names if a.name.startswith("properties."))
+        found.update(a.name for a in node.names if a.name.startswith(ours))
     out[name] = found - {name}
   return out
 
@@ -141,3 +141,21 @@ def test_no_module_of_the_suite_is_over_400_lines():
   long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
           if (n := len(p.read_text().splitlines())) > 400}
   assert not long, long
+
+
+def test_kernels_use_the_contract_not_the_oracle_and_no_backend_uses_the_other():
+  """ua_kernels depends on the contract (ua_reference.contract, caps), never on
+  the oracle that judges it (ua_reference.reference); each backend's package
+  (ua_kernels.triton, ua_kernels.mosaic) uses the shared modules, not the other
+  backend, so that either can change alone."""
+  import ua_kernels
+  kernels = pathlib.Path(ua_kernels.__file__).parent
+  wrong = []
+  for module, imported in _imports(kernels, ("ua_kernels", "ua_reference")).items():
+    for other in imported:
+      if other in ("ua_reference", "ua_reference.reference"):
+        wrong.append(f"{module} imports the oracle ({other})")
+      for one, two in (("triton", "mosaic"), ("mosaic", "triton")):
+        if module.startswith(f"ua_kernels.{one}") and other.startswith(f"ua_kernels.{two}"):
+          wrong.append(f"{module} imports {other}")
+  assert not wrong, wrong

@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import pytest
 
 import ua_kernels
-from ua_kernels import KernelConfig, MosaicTiles, backends, mosaic_backward
-from ua_kernels.tuned_configs import (PERSISTENT_MAX_SEQ_LEN, default_config, effective_config,
+from ua_kernels import KernelConfig, MosaicTiles, backends
+from ua_kernels.mosaic import backward as mosaic_backward
+from ua_kernels.mosaic.tuned import PERSISTENT_MAX_SEQ_LEN
+from ua_kernels.tuned_configs import (default_config, effective_config,
                                       mosaic_tiles, triton_config)
 from ua_reference.contract import validate
 
@@ -111,7 +113,7 @@ def captured(monkeypatch):
   """The configs ua_kernels.attention hands its jitted kernels (none run)."""
   configs = []
 
-  def fake(spec, config, q, k, v, seg, temp):
+  def fake(spec, config, backends, q, k, v, seg, temp):
     configs.append(config)
     return q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
 
@@ -191,4 +193,5 @@ def test_kernels_refuse_unfilled_tiles():
   spec = _spec(64, jnp.float32, {})
   x = jnp.zeros((1, 256, 2, 64), jnp.float32)
   with pytest.raises(ValueError, match="unset: .*num_warps"):
-    attention_module._forward(spec, KernelConfig(block_q=16, interpret=True), x, x, x, None, None)
+    attention_module._forward(spec, KernelConfig(block_q=16, interpret=True),
+                              attention_module.Backends("triton", "triton"), x, x, x, None, None)

@@ -413,20 +413,20 @@ def test_both_group_summation_orders_compute_the_same_function():
   """dkv_kernel sums a GQA group per head (float32 outputs) or tile by tile
   (16-bit); forced to either order, a float32 case gets the same dk/dv up to
   rounding, so the order is the only difference between the two paths."""
-  import sys
-  attention_module = sys.modules["ua_kernels.attention"]  # the package exports the function
+  from ua_kernels.attention import _config_for_tiles
+  from ua_kernels.triton import launch
   q, k, v = _inputs(b=1, t=45, hq=8, hkv=2, d=24)
   kw = dict(causal=False, window_len=5, cap_method="tanh", cap_params=(2.0,), return_lse=True)
   grads = []
   for order, tiles in ((True, (16, 32)), (False, (32, 16))):  # other tiles: another trace
-    original = attention_module._per_head_totals
-    attention_module._per_head_totals = lambda spec, dtype, order=order: order
+    original = launch._per_head_totals
+    launch._per_head_totals = lambda spec, dtype, order=order: order
     try:
-      cfg = attention_module._config_for_tiles(*tiles)
+      cfg = _config_for_tiles(*tiles)
       loss = lambda q, k, v: jnp.sum(ua_kernels.attention(q, k, v, config=cfg, **kw)[0] ** 2)
       grads.append(jax.grad(loss, argnums=(1, 2))(q, k, v))
     finally:
-      attention_module._per_head_totals = original
+      launch._per_head_totals = original
   for per_head, tile_by_tile in zip(*grads):
     np.testing.assert_allclose(np.asarray(per_head), np.asarray(tile_by_tile),
                                rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""The Mosaic GPU kernels (ua_kernels/mosaic_forward.py, mosaic_backward.py).
+"""The Mosaic GPU kernels (ua_kernels/mosaic/forward.py, backward.py).
 
 Their numerics need a Hopper GPU: there the kernel tests below compare them
 with the Triton kernels, and the suite verifies them as their own implementation
@@ -18,8 +18,9 @@ import pytest
 
 import ua_kernels
 from ua_kernels import KernelConfig, MosaicTiles
-from ua_kernels import mosaic_backward, mosaic_common
-from ua_kernels.attention import _is_hopper, backward_backend, forward_backend
+from ua_kernels.attention import _is_hopper, backends_for
+from ua_kernels.mosaic import backward as mosaic_backward
+from ua_kernels.mosaic import common as mosaic_common
 from ua_kernels.tuned_configs import effective_config
 from ua_reference.contract import validate
 
@@ -136,7 +137,7 @@ def test_halves_shared_memory_estimate_matches_lowering(tiles):
 
   fits = mosaic_backward.unsupported(spec, jnp.bfloat16, tiles) is None
   assert fits == (mosaic_backward.halves_shared_memory(tiles, 2) <= 232448)
-  assert backward_backend(spec, config, jnp.bfloat16) == ("mosaic" if fits else "triton")
+  assert backends_for(spec, config, jnp.bfloat16).backward == ("mosaic" if fits else "triton")
   lower = lambda: _lowered_text(gradients, (x, x, x, rows, rows, x), {})
   if fits:
     assert "ua_backward_dq_halves_mosaic" in lower()
@@ -155,7 +156,7 @@ def test_tiles_too_large_for_the_halves_kernels_run_the_backward_on_triton():
     return ua_kernels.attention(q, k, v, config=config).astype(jnp.float32).sum()
 
   spec = _spec(d=256)
-  assert backward_backend(spec, config, jnp.bfloat16) == "triton"
+  assert backends_for(spec, config, jnp.bfloat16).backward == "triton"
   try:
     text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), args, extra)
   except RuntimeError as error:
@@ -173,21 +174,21 @@ def _spec(dtype=jnp.bfloat16, d=128, **options):
 
 def test_dispatch():
   spec = _spec()
-  assert forward_backend(spec, KernelConfig(backend="triton"), jnp.bfloat16) == "triton"
-  assert forward_backend(spec, MOSAIC, jnp.bfloat16) == "mosaic"
+  assert backends_for(spec, KernelConfig(backend="triton"), jnp.bfloat16).forward == "triton"
+  assert backends_for(spec, MOSAIC, jnp.bfloat16).forward == "mosaic"
   # The backward follows the forward, up to the Mosaic backward's head dims.
-  assert backward_backend(spec, MOSAIC, jnp.bfloat16) == "mosaic"
-  assert backward_backend(_spec(d=256), MOSAIC, jnp.bfloat16) == "mosaic"
-  assert backward_backend(_spec(d=320), KernelConfig(), jnp.bfloat16) == "triton"
-  assert backward_backend(spec, KernelConfig(backend="triton"), jnp.bfloat16) == "triton"
+  assert backends_for(spec, MOSAIC, jnp.bfloat16).backward == "mosaic"
+  assert backends_for(_spec(d=256), MOSAIC, jnp.bfloat16).backward == "mosaic"
+  assert backends_for(_spec(d=320), KernelConfig(), jnp.bfloat16).backward == "triton"
+  assert backends_for(spec, KernelConfig(backend="triton"), jnp.bfloat16).backward == "triton"
   # Without a Hopper GPU (here: the interpreter) "auto" is Triton.
   if not _is_hopper():
-    assert forward_backend(spec, KernelConfig(), jnp.bfloat16) == "triton"
+    assert backends_for(spec, KernelConfig(), jnp.bfloat16).forward == "triton"
   else:
-    assert forward_backend(spec, KernelConfig(), jnp.bfloat16) == "mosaic"
-    assert forward_backend(spec, KernelConfig(), jnp.float32) == "triton"
-    assert forward_backend(_spec(segment_ids=jnp.zeros((1, 16), jnp.int32)), KernelConfig(),
-                           jnp.bfloat16) == "mosaic"
+    assert backends_for(spec, KernelConfig(), jnp.bfloat16).forward == "mosaic"
+    assert backends_for(spec, KernelConfig(), jnp.float32).forward == "triton"
+    assert backends_for(_spec(segment_ids=jnp.zeros((1, 16), jnp.int32)), KernelConfig(),
+                        jnp.bfloat16).forward == "mosaic"
 
 
 @pytest.mark.parametrize("dtype, d, match", [(jnp.float32, 128, "bfloat16 and float16"),
@@ -262,7 +263,7 @@ def _assert_forward_matches_triton(qkv, inputs, options):
   np.testing.assert_allclose(np.asarray(lse_m), np.asarray(lse_t), rtol=1e-5, atol=1e-5)
 
 
-# Packed documents without a band run the persistent forward (tuned_configs.mosaic_tiles):
+# Packed documents without a band run the persistent forward (mosaic.tuned.mosaic_tiles):
 # documents of about T/3 and alternating runs of 128, dealt to 5 programs (several items each,
 # not all as many) and to the GPU's own count (512 items); at head dim 256 O leaves through
 # Q's buffer.

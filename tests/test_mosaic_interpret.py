@@ -30,9 +30,12 @@ from jax._src.pallas import core as pallas_core  # noqa: E402
 from jax._src.state import types as state_types  # noqa: E402
 
 from test_mosaic import SHAPE_CLASSES, _gpu_inputs  # noqa: E402
-from ua_kernels import (KernelConfig, MosaicTiles, mosaic_backward, mosaic_common,  # noqa: E402
-                        mosaic_forward)
-from ua_kernels.tuned_configs import effective_config, mosaic_tiles  # noqa: E402
+from ua_kernels import KernelConfig, MosaicTiles, cap_forms  # noqa: E402
+from ua_kernels.mosaic import backward as mosaic_backward  # noqa: E402
+from ua_kernels.mosaic import common as mosaic_common  # noqa: E402
+from ua_kernels.mosaic import forward as mosaic_forward  # noqa: E402
+from ua_kernels.mosaic.tuned import mosaic_tiles  # noqa: E402
+from ua_kernels.tuned_configs import effective_config  # noqa: E402
 
 attention_module = sys.modules["ua_kernels.attention"]
 
@@ -209,7 +212,7 @@ def _far_apart_tiles():
   tiles' |ds| reach 2^16, past float16's range) and differ by a small part of
   opposite sign between the two halves (the other half's logits 60 lower:
   |ds| near 2^-72 there, still normal in float32). Every float16 dq and dk row
-  is then rescaled in place (mosaic_backward._accumulate) by 2^57 to 2^65, up
+  is then rescaled in place (mosaic.backward._accumulate) by 2^57 to 2^65, up
   in the first half's rows and keys, down in the second's."""
   b, t, h, d = 1, 256, 2, 64
   rng = np.random.default_rng(3)
@@ -254,14 +257,15 @@ def _compare_inputs(qkv, inputs, options, tiles, backward=True, out_reference=No
   temp = None if temp is None else temp.astype(jnp.float32)
   triton = effective_config(spec, q.dtype, KernelConfig(backend="triton", interpret=True))
   tiles = effective_config(spec, q.dtype, KernelConfig(mosaic=tiles)).mosaic
-  fast_cap = attention_module._fast_cap(spec, q.dtype)
-  out, shift, low = attention_module._forward(spec, triton, q, k, v, seg, temp)
+  fast_cap = cap_forms.fast_cap(spec, q.dtype)
+  on_triton = attention_module.Backends("triton", "triton")
+  out, shift, low = attention_module._forward(spec, triton, on_triton, q, k, v, seg, temp)
   lse2 = attention_module._lse2(spec, temp, shift, low)
   rng = np.random.default_rng(1)
   dout = jnp.asarray(rng.normal(size=q.shape), q.dtype)
   dlse = jnp.asarray(rng.normal(size=lse2.shape), jnp.float32)
-  grads = attention_module._backward(spec, triton, q, k, v, seg, temp, out, shift, low,
-                                     dout, dlse)
+  grads = attention_module._backward(spec, triton, on_triton, q, k, v, seg, temp, out, shift,
+                                     low, dout, dlse)
 
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
     out_m, shift_m = mosaic_forward.forward(spec, tiles, q, k, v, seg, temp, fast_cap=fast_cap)

@@ -12,9 +12,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from . import cap_forms, mosaic_common, mosaic_forward
+from . import cap_forms
 from .attention import SUPPORTED_DTYPES, _config_for_tiles, attention
 from .kernel_config import KernelConfig
+from .mosaic import common as mosaic_common
+from .mosaic import forward as mosaic_forward
 
 
 def _forced(backend: str, q, k, v, config, kwargs):
@@ -42,7 +44,7 @@ def triton_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
 
 mosaic_attention.ua_dtypes = tuple(jnp.dtype(d).name for d in mosaic_common.DTYPES)
 mosaic_attention.ua_head_dims = lambda d: d <= mosaic_forward.MAX_HEAD_DIM
-# The tuned tiles (tuned_configs.mosaic_tiles): a forward program's 2 x 64
+# The tuned tiles (mosaic.tuned.mosaic_tiles): a forward program's 2 x 64
 # query rows, key tiles of 128 (64 at head dims over 128); the backward's tiles
 # of 64 (dq's key tiles 128).
 mosaic_attention.ua_block_sizes = (64, 128)

@@ -1,8 +1,10 @@
 """The kernels' own forms of the cap methods: the exact ones of the contract's
 registry (ua_reference.caps), or a registered fast form.
 
-A fast form is used for bfloat16 inputs only, whose outputs are rounded to
-2^-9 relative anyway (ua_kernels.attention._fast_cap says why not float16).
+The one precision policy of the caps lives here: which calls take a fast form
+(fast_cap: bfloat16 inputs only, whose outputs are rounded to 2^-9 relative
+anyway) and which kernels may build every transcendental approximate
+(approx_math).
 The tanh family's fast form is one ``tanh.approx.f32`` instruction
 (ua_kernels.fast_math, about 2^-11 relative) where an accurate tanh takes two
 multi-function-unit operations per logit on top of the softmax's exp2
@@ -21,11 +23,36 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ua_reference.contract import StaticSpec
 from ua_reference.caps import CapFn, CapMethod, asym_tanh_cap, get_cap_method, tanh_cap
 
 from .fast_math import approx_tanh, tanh_complement
 
 FAST_FORMS: dict[str, tuple[CapFn, CapFn]] = {}
+
+# Largest cap parameter evaluated with a fast form (fast_cap).
+FAST_CAP_MAX_PARAM = 64.0
+
+
+def fast_cap(spec: StaticSpec, dtype) -> bool:
+  """bfloat16 inputs take the caps' fast forms for caps up to
+  FAST_CAP_MAX_PARAM. bfloat16's unit roundoff, 2^-9, is four times the fast
+  tanh's 2^-11; float16's equals it, and the suite measured the fast form out
+  of float16's tolerance, so float16 keeps the exact forms. The fast tanh's
+  error is relative to its value, so a capped logit c*tanh(x/c) is off by up
+  to c * 2^-11: caps up to 64 keep it within 2^-5 of a logit, larger ones take
+  the exact tanh (docs/DEFECTS.md, B16)."""
+  return (jnp.dtype(dtype) == jnp.bfloat16
+          and max(spec.cap_params, default=0.0) <= FAST_CAP_MAX_PARAM)
+
+
+def approx_math(spec: StaticSpec, fast: bool) -> bool:
+  """Whether a Mosaic kernel is built with approx_math, which makes every
+  exp2, log and tanh of the kernel an ``.approx`` instruction: without a cap
+  (the softmax's exp2 is the Triton kernels' ex2.approx too) or with the caps'
+  fast forms (``fast``, as fast_cap says). Exact caps (float16; caps above
+  FAST_CAP_MAX_PARAM) keep accurate transcendentals."""
+  return spec.cap_method == "none" or fast
 
 
 def register_fast_form(name: str, forward: CapFn, grad: CapFn) -> None:

@@ -30,8 +30,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from ua_reference.contract import validate
-from ua_reference.reference import with_z_loss_gradient
+from ua_reference.contract import validate, with_z_loss_gradient
 
 from .attention import SUPPORTED_DTYPES, attention as _attention, attention_block
 from .kernel_config import KernelConfig

@@ -25,7 +25,7 @@ enters around each compiled (non-interpreted) pallas_call, naming the backend:
 Pallas-Triton takes the inline PTX above; Pallas Mosaic GPU has no inline
 elementwise assembly, and instead compiles ``jnp.exp2``/``jnp.tanh``/``jnp.log``
 to the same ``.approx`` instructions when the kernel is built with
-``approx_math`` (mosaic_common.approx_math decides when it may be).
+``approx_math`` (cap_forms.approx_math decides when it may be).
 """
 
 from __future__ import annotations

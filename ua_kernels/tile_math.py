@@ -335,7 +335,7 @@ def dither_bits(q_pos, k_pos, operand: int):
 def position_grid(shape, q_start, k_start, query_axis: int = 0):
   """(query positions, key positions) of every element of a tile of ``shape``
   whose queries lie along ``query_axis``: dither_bits's arguments (the Mosaic
-  kernels build theirs in wgmma's layout, mosaic_common.position_tiles)."""
+  kernels build theirs in wgmma's layout, mosaic.common.position_tiles)."""
   q_len, k_len = shape if query_axis == 0 else shape[::-1]
   return (lax.broadcast_in_dim(positions(q_start, q_len), shape, (query_axis,)),
           lax.broadcast_in_dim(positions(k_start, k_len), shape, (1 - query_axis,)))

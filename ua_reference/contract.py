@@ -10,6 +10,7 @@ can key compilation caches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from typing import Any
@@ -193,3 +194,24 @@ def validate(q, k, v, *, segment_ids=None, causal=False, window_len=0,
       cap_params=params, sm_scale=sm_scale, z_loss_weight=z_loss_weight,
       has_segment_ids=segment_ids is not None)
   return spec, segment_ids, temperature
+
+
+# The contract's z-loss gradient, shared by the reference and any op that merges
+# (out, lse) pieces itself (ua_kernels.context_parallel).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def with_z_loss_gradient(lse, weight):
+  """lse, whose backward adds ``weight * lse`` to its cotangent: the z-loss
+  gradient of the contract (the gradient of weight * lse^2 / 2), entering where
+  the lse does (rows without a key, lse = -inf, get none)."""
+  return lse
+
+
+def _with_z_loss_fwd(lse, weight):
+  return lse, lse
+
+
+def _with_z_loss_bwd(weight, lse, g):
+  return (g + weight * jnp.where(jnp.isfinite(lse), lse, 0.0),)
+
+
+with_z_loss_gradient.defvjp(_with_z_loss_fwd, _with_z_loss_bwd)

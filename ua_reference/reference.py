@@ -19,32 +19,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .contract import StaticSpec, validate
+from .contract import StaticSpec, validate, with_z_loss_gradient
 
 # Largest number of logits [B, Hq, rows, T] computed at once (2^25: 256 MiB in float64).
 # The float64 oracle's VJP at B=1, T=16384, 16 heads, D=128 then needs 3.75 GiB of
 # temporaries (XLA's memory analysis; 5.75 GiB at 2^26, which ran out of memory in a
 # 16-worker campaign's share of one H200, docs/VERIFICATION.md).
 MAX_LOGITS = 1 << 25
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def with_z_loss_gradient(lse, weight):
-  """lse, whose backward adds ``weight * lse`` to its cotangent: the z-loss
-  gradient of the contract (the gradient of weight * lse^2 / 2), entering where
-  the lse does (rows without a key, lse = -inf, get none)."""
-  return lse
-
-
-def _with_z_loss_fwd(lse, weight):
-  return lse, lse
-
-
-def _with_z_loss_bwd(weight, lse, g):
-  return (g + weight * jnp.where(jnp.isfinite(lse), lse, 0.0),)
-
-
-with_z_loss_gradient.defvjp(_with_z_loss_fwd, _with_z_loss_bwd)
 
 
 def _visible(i, j, seg_i, seg_j, causal, window_len):

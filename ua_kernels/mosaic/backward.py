@@ -7,12 +7,12 @@ of ``dq_scratch``/``dkv_scratch`` for that shape: ``dq_kernel`` and
 ``dkv_kernel``, or above head dim 128 ``dq_halves_kernel`` and
 ``dkv_halves_kernel``. ``halves_shared_memory`` and ``unsupported`` count the
 halves kernels' shared memory from the same scratch lists
-(mosaic_common.scratch_bytes).
+(common.scratch_bytes).
 
-All four have the forward's structure (ua_kernels.mosaic_forward): a program
+All four have the forward's structure (ua_kernels.mosaic.forward): a program
 has two compute warpgroups and a third that only issues TMA copies of the
 streamed tiles into a ring of ``stages`` shared-memory slots
-(mosaic_common.producer_ring). A slot has a "loaded" barrier per buffer (TMA
+(common.producer_ring). A slot has a "loaded" barrier per buffer (TMA
 arrives) and one "free" barrier that both compute warpgroups arrive at when
 done with it. In dq_kernel and dkv_kernel each compute warpgroup owns one tile
 and passes over the streamed tiles outside its own range ("drain"), as in the
@@ -32,7 +32,7 @@ dv += pT dO and dk += dsT Q (``_dkv_step``): its tiles hold queries along
 axis 1 (tile_math's ``query_axis``).
 
 Every rule of the contract comes from tile_math, shared with the Triton
-kernels: scores_to_logits and visible_mask (through mosaic_common.tile_logits,
+kernels: scores_to_logits and visible_mask (through common.tile_logits,
 as in the forward), probabilities, logits_grad (the cap's
 derivative from the registry), matmul_operand (float16's range), and the tile
 ranges q_tiles/kv_tiles (with segment ids, within the spans of the tile's
@@ -61,13 +61,14 @@ from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
 
-from . import fast_math, mosaic_common
-from .kernel_config import MosaicTiles
-from .mosaic_common import (RingCopy, launched_q_tile, load_vector, own_tiles, position_tiles,
+from .. import fast_math
+from . import common
+from .config import MosaicTiles
+from .common import (RingCopy, launched_q_tile, load_vector, own_tiles, position_tiles,
                             program_spans, program_tiles, ring_slot, tile_logits, tile_span)
-from .padding import pad
-from .segment_spans import tile_ranges
-from .tile_math import (dither_bits, kv_tiles, logits_grad, matmul_operand, probabilities,
+from ..padding import pad
+from ..segment_spans import tile_ranges
+from ..tile_math import (dither_bits, kv_tiles, logits_grad, matmul_operand, probabilities,
                         q_tiles, range_scaled, rescaled, scaled_back, tile_loop, to_operand,
                         unbiased_roundings)
 
@@ -84,33 +85,33 @@ SHIFT, DELTA, TEMP = 0, 1, 2
 def unsupported(spec: StaticSpec, dtype, tiles: MosaicTiles | None = None) -> str | None:
   """Why the Mosaic backward cannot run this call (None: it can); with
   ``tiles``, also whether they fit the halves kernels' shared memory."""
-  if why := mosaic_common.dtype_error(dtype):
+  if why := common.dtype_error(dtype):
     return why
   if spec.head_dim > MAX_HEAD_DIM:
     return (f"the Mosaic backward takes head dims up to {MAX_HEAD_DIM}, not "
             f"{spec.head_dim}")
   if tiles is not None and spec.head_dim > HALVES_ABOVE:
     need = halves_shared_memory(tiles, jnp.dtype(dtype).itemsize)
-    if need > mosaic_common.MAX_SHARED_MEMORY:
+    if need > common.MAX_SHARED_MEMORY:
       return (f"at head dims above {HALVES_ABOVE} the Mosaic backward with {tiles} needs "
               f"{need} bytes of shared memory, more than the "
-              f"{mosaic_common.MAX_SHARED_MEMORY} of a block")
+              f"{common.MAX_SHARED_MEMORY} of a block")
   return None
 
 
 def halves_shared_memory(tiles: MosaicTiles, itemsize: int) -> int:
   """Shared memory (bytes) of the larger of dq_halves_kernel and
-  dkv_halves_kernel with ``tiles``: mosaic_common.scratch_bytes of their
+  dkv_halves_kernel with ``tiles``: common.scratch_bytes of their
   scratch lists (dq_scratch, dkv_scratch) at head dim 2 * HALVES_ABOVE, with
   three per-query rows (temperature's too), for inputs of ``itemsize`` bytes.
   Tiles that pass MosaicTiles' validation can exceed a block's shared memory
   here (128-row tiles, three stages), which the dispatch sends to Triton.
   ``tiles`` filled (tuned_configs.effective_config)."""
-  tiles.require_filled("mosaic_backward.halves_shared_memory")
+  tiles.require_filled("backward.halves_shared_memory")
   dq, dkv = tile_shapes(tiles, jnp.dtype(f"float{8 * itemsize}"), 2 * HALVES_ABOVE,
                         num_rows=3, halves=True)
-  return max(mosaic_common.scratch_bytes(dq_scratch(dq)),
-             mosaic_common.scratch_bytes(dkv_scratch(dkv)))
+  return max(common.scratch_bytes(dq_scratch(dq)),
+             common.scratch_bytes(dkv_scratch(dkv)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +166,8 @@ def dq_scratch(shape: TileShape) -> list:
   then the barriers: Q and dO loaded (one per tile, or one per half of each),
   K and V loaded per slot, the slot's release; the halves kernel's
   "gradients computed" barrier."""
-  plgpu = mosaic_common.plgpu()
-  swizzled = mosaic_common.swizzled()
+  plgpu = common.plgpu()
+  swizzled = common.swizzled()
   own = (2, shape.block_q, shape.half if shape.halves else shape.head_dim)
   ring = (shape.stages, shape.block_kv, shape.head_dim)
   smem = [plgpu.SMEM(own, shape.dtype, transforms=swizzled),
@@ -189,8 +190,8 @@ def dkv_scratch(shape: TileShape) -> list:
   the Q, dO and per-query rows rings; then the barriers: K and V loaded (one
   per tile, or one per half of each), Q, dO and rows loaded per slot, the
   slot's release; the halves kernel's "gradients computed" barrier."""
-  plgpu = mosaic_common.plgpu()
-  swizzled = mosaic_common.swizzled()
+  plgpu = common.plgpu()
+  swizzled = common.swizzled()
   own = (2, shape.block_kv, shape.half if shape.halves else shape.head_dim)
   ring = (shape.stages, shape.block_q, shape.head_dim)
   smem = [plgpu.SMEM(own, shape.dtype, transforms=swizzled),
@@ -231,7 +232,7 @@ def _zero_gradient(rows: int, columns: int, scaled: bool = False):
   """A gradient accumulator of zeros in wgmma's layout; ``scaled`` (dq and dk
   where range_scaled) a _Scaled one, whose rows follow the range scaling of
   the ds they sum."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   zeros = plgpu.layout_cast(jnp.zeros((rows, columns), jnp.float32), plgpu.Layout.WGMMA)
   if not scaled:
     return zeros
@@ -252,7 +253,7 @@ def _accumulate(acc, a, b_smem, exponent):
   float16 range scaling in place"). A row's sum that leaves float32's range
   when brought up (beyond 2^65, for a tile of |ds| below 2^-48) is beyond
   float16's output range too."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   product = lambda acc_ref: plgpu.wgmma(acc_ref, a, b_smem)
   if exponent is None:
     return pl.run_state(product)(plgpu.ACC.init(acc))
@@ -266,7 +267,7 @@ def _scores_pair(a_parts, b_ring, c_parts, d_ring, s, shape, half: int):
   ``a_parts`` and ``c_parts`` are (operand, column half or None): one whole
   tile, or the two column halves of the halves kernels, each against the
   same columns of the ring's slot."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   b_parts = [_ring_columns(b_ring, s, part, half).transpose((1, 0)) for _, part in a_parts]
   d_parts = [_ring_columns(d_ring, s, part, half).transpose((1, 0)) for _, part in c_parts]
 
@@ -297,7 +298,7 @@ def _query_rows(p: BackwardParams, load):
 def _load_halves(refs, halves, own, loaded, half: int):
   """The program's own tiles of ``refs`` into their [2, rows, half]
   buffers, buffer i's half c arriving at barrier 2 * i + c."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   for c in range(2):
     for i, (ref, buffer) in enumerate(zip(refs, halves)):
       plgpu.copy_gmem_to_smem(ref.at[own + (_column_half(c, half),)], buffer.at[c],
@@ -308,7 +309,7 @@ def _store_halves(p: BackwardParams, part: int, computed, outputs, own):
   """Warpgroup ``part``'s half of each gradient in ``outputs`` (the own
   tiles' halves buffer, which holds it on its way out; the output ref; the
   value) written out, once both warpgroups are done reading the own tiles."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   plgpu.barrier_arrive(computed)
   plgpu.barrier_wait(computed)
   for halves, _, value in outputs:
@@ -321,7 +322,7 @@ def _store_halves(p: BackwardParams, part: int, computed, outputs, own):
 
 def _run_halves(wg, compute, memory):
   """Warpgroups 0 and 1 run ``compute(part)`` for their half, 2 ``memory()``."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   for part in (0, 1):
     @pl.when(wg == part)
     def _(part=part):
@@ -351,7 +352,7 @@ def _stream_keys(p: BackwardParams, ring: _KeyRing, k_ref, v_ref, bi, kv_head):
   def locate(kb):
     return (bi, pl.ds(kb * bkv, bkv), kv_head)
 
-  mosaic_common.producer_ring(ring.lo, ring.hi, p.shape.stages, locate, [
+  common.producer_ring(ring.lo, ring.hi, p.shape.stages, locate, [
       (ring.kv_free, [RingCopy(lambda keys: k_ref.at[keys], ring.k_smem, ring.k_loaded),
                       RingCopy(lambda keys: v_ref.at[keys], ring.v_smem, ring.v_loaded)])])
 
@@ -361,7 +362,7 @@ def _dq_step(p: BackwardParams, ring: _KeyRing, q_own, do_own, part, seg_ref, bi
   """One key tile of a dq warpgroup: s = Q K^T and dp = dO V^T, then
   dq += ds K, over the whole head dim (``part`` None) or dq's column half
   ``part`` (``q_own``/``do_own`` then hold both halves)."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   shape = p.shape
   shift_q, delta_q, temp_q = rows
   s = ring_slot(kb, ring.lo, shape.stages)
@@ -387,7 +388,7 @@ def dq_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref,
   """dq: a program owns 2 * block_q query rows of one query head, each compute
   warpgroup one tile of block_q; the memory warpgroup streams the key and
   value tiles of the hull of their ranges."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   bq, bkv = p.shape.block_q, p.shape.block_kv
   bi = lax.axis_index("batch")
   h = lax.axis_index("heads")
@@ -448,7 +449,7 @@ def dq_halves_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, s
   split); both compute the scores and dp over the whole head dim. Key tiles
   of at most 64 keys (tile_shapes), so that the K/V ring fits the shared
   memory."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   bq, bkv = p.shape.block_q, p.shape.block_kv
   bi = lax.axis_index("batch")
   h = lax.axis_index("heads")
@@ -508,7 +509,7 @@ def _stream_queries(p: BackwardParams, ring: _QueryRing, q_ref, do_ref, rows_ref
     h = kv_head * group + lax.rem(n, jnp.int32(group))
     return qb, h, (bi, pl.ds(qb * bq, bq), h)
 
-  mosaic_common.producer_ring(ring.first, ring.last, p.shape.stages, locate, [
+  common.producer_ring(ring.first, ring.last, p.shape.stages, locate, [
       (ring.q_free, [
           RingCopy(lambda where: q_ref.at[where[2]], ring.q_smem, ring.q_loaded),
           RingCopy(lambda where: do_ref.at[where[2]], ring.do_smem, ring.do_loaded),
@@ -522,7 +523,7 @@ def _dkv_step(p: BackwardParams, ring: _QueryRing, k_own, v_own, part, seg_ref, 
   head ``g``): sT = K Q^T and dpT = V dO^T, then dv += pT dO and dk += dsT Q,
   over the whole head dim (``part`` None) or the gradients' column half
   ``part`` (``k_own``/``v_own`` then hold both halves)."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   shape = p.shape
   dk, dv = carry
   s = ring_slot(qb * p.group + g, ring.first, shape.stages)
@@ -566,7 +567,7 @@ def dkv_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref
   """dk/dv: a program owns 2 * block_kv keys of one kv head, each compute
   warpgroup one tile of block_kv; the memory warpgroup streams the query
   tiles of the hull of their ranges, for every query head of the group."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   bq, bkv, group = p.shape.block_q, p.shape.block_kv, p.group
   bi = lax.axis_index("batch")
   kv_head = lax.axis_index("heads")
@@ -634,7 +635,7 @@ def dkv_halves_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, 
   matmuls of 64 x 256 per warpgroup and step where the split by keys does 2.
   K and V sit in shared memory as two column halves, so that each
   warpgroup's dk and dv go out from a contiguous buffer."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   bq, bkv, group = p.shape.block_q, p.shape.block_kv, p.group
   bi = lax.axis_index("batch")
   kv_head = lax.axis_index("heads")
@@ -682,8 +683,8 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, de
   hkv = k.shape[2]
   dtype = q.dtype
   halves = d > HALVES_ABOVE
-  head_dim = 2 * HALVES_ABOVE if halves else mosaic_common.padded_head_dim(d)
-  seq_pad = mosaic_common.padded_length(t, 2 * tiles.block_q_dq, tiles.block_kv_dq,
+  head_dim = 2 * HALVES_ABOVE if halves else common.padded_head_dim(d)
+  seq_pad = common.padded_length(t, 2 * tiles.block_q_dq, tiles.block_kv_dq,
                                         tiles.block_q_dkv, 2 * tiles.block_kv_dkv)
   has_seg, has_temp = seg is not None, temp is not None
 
@@ -708,7 +709,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, de
   # A halves program owns one tile (each warpgroup half its columns), a
   # program of the others two tiles (one per warpgroup).
   per_program = 1 if halves else 2
-  call = functools.partial(mosaic_common.warp_specialized_call, spec=spec, fast_cap=fast_cap)
+  call = functools.partial(common.warp_specialized_call, spec=spec, fast_cap=fast_cap)
   dq_call = call(
       functools.partial(dq_halves_kernel if halves else dq_kernel, params(dq_shape)),
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),

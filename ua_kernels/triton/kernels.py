@@ -17,8 +17,8 @@ from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
 
-from .softmax_state import SoftmaxState, sums_rounded
-from .tile_math import (TileMask, dither_bits, dot, exp2_scale, fixed_shift, gradient_product,
+from ..softmax_state import SoftmaxState, sums_rounded
+from ..tile_math import (TileMask, dither_bits, dot, exp2_scale, fixed_shift, gradient_product,
                         kv_tiles, logits_grad, matmul_operand, position_grid, positions,
                         probabilities, q_tiles, scaled_back, tile_logits, tile_loop, to_operand,
                         unbiased_roundings, visible_mask)

@@ -8,7 +8,7 @@ Structure of JAX's ``attention_mgpu.py`` forward: a work item is 2 * block_q
 query rows of one (batch, query head); three warpgroups share a program. Two
 compute warpgroups own block_q rows each (``_forward_compute``, one key tile of
 it ``_forward_step``); the third only issues TMA copies of key and value tiles
-into a ring of ``stages`` shared-memory slots (mosaic_common.ring_steps),
+into a ring of ``stages`` shared-memory slots (common.ring_steps),
 guarded by a "loaded" barrier per slot (TMA arrives) and a "free" one (both
 compute warpgroups arrive). A schedule barrier alternates the compute
 warpgroups, so one's softmax overlaps the other's matmuls; with
@@ -19,7 +19,7 @@ A program owns one work item (the grid is heads x q tiles x batch) or, with
 MosaicTiles.persistent, is one of a multiprocessor count of programs that take
 items in turn (``_work``), as tokamax's sm90 forward does where items are of
 equal work (the tuned table runs it wherever there is no causal mask or window,
-packed documents included: tuned_configs.mosaic_tiles): the ring's slots run
+packed documents included: mosaic.tuned.mosaic_tiles): the ring's slots run
 on across items, so the next item's first K/V tiles load while this one ends,
 and its Q copy is issued as soon as this item's last product has read Q's
 buffer, before O is written out (through O's own buffer where the shared memory
@@ -27,7 +27,7 @@ holds one, else through Q's, after which Q is copied). What it gained: docs/BENC
 
 Every masking and capping rule comes from tile_math, as in the Triton kernels:
 the logits are tile_math.scores_to_logits of the wgmma's scores, the mask is
-tile_math.visible_mask of position tiles (both through mosaic_common.tile_logits,
+tile_math.visible_mask of position tiles (both through common.tile_logits,
 shared with the backward kernels), the online softmax is
 SoftmaxState.step, and the key-tile ranges are tile_math.kv_tiles (causal and
 window tiles outside the band, and with segment ids the tiles outside the spans
@@ -56,14 +56,15 @@ from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
 
-from . import fast_math, mosaic_common
-from .mosaic_common import (RingCopy, launched_q_tile, load_vector, own_tiles, program_spans,
+from .. import fast_math
+from . import common
+from .common import (RingCopy, launched_q_tile, load_vector, own_tiles, program_spans,
                             program_tiles, ring_slot, tile_logits)
-from .kernel_config import MosaicTiles
-from .padding import pad
-from .segment_spans import tile_ranges
-from .softmax_state import SoftmaxState, sums_rounded
-from .tile_math import exp2_scale, fixed_shift, kv_tiles, tile_loop
+from .config import MosaicTiles
+from ..padding import pad
+from ..segment_spans import tile_ranges
+from ..softmax_state import SoftmaxState, sums_rounded
+from ..tile_math import exp2_scale, fixed_shift, kv_tiles, tile_loop
 
 # 256 is the largest head dim whose tiles fit the shared memory.
 MAX_HEAD_DIM = 256
@@ -74,7 +75,7 @@ USED_SUM_COLUMNS = 8
 
 def unsupported(spec: StaticSpec, dtype) -> str | None:
   """Why the Mosaic forward cannot run this call (None: it can)."""
-  if why := mosaic_common.dtype_error(dtype):
+  if why := common.dtype_error(dtype):
     return why
   if spec.head_dim > MAX_HEAD_DIM:
     return f"the Mosaic backend takes head dims up to {MAX_HEAD_DIM}, not {spec.head_dim}"
@@ -93,7 +94,7 @@ class ForwardParams:
   dtype: Any
   block_q: int          # rows of one compute warpgroup; a program owns 2 * block_q
   block_kv: int
-  head_dim: int         # padded (mosaic_common.padded_head_dim)
+  head_dim: int         # padded (common.padded_head_dim)
   stages: int
   padded: bool          # the sequence is padded (visible_mask hides the padding)
   has_temp: bool
@@ -120,8 +121,8 @@ def forward_scratch(p: ForwardParams) -> list:
   barriers: Q loaded, K and V loaded per slot, K and V free per slot, the
   schedule barrier; with ``rounded_sum`` a ones tile per compute warpgroup
   and its loaded barrier; with ``separate_out`` O's tiles."""
-  plgpu = mosaic_common.plgpu()
-  swizzled = mosaic_common.swizzled()
+  plgpu = common.plgpu()
+  swizzled = common.swizzled()
   rounded = [
       plgpu.SMEM((2, USED_SUM_COLUMNS, p.block_kv), p.dtype, transforms=swizzled),
       plgpu.Barrier(num_barriers=2),
@@ -231,10 +232,10 @@ def _over_items(count, item_of, body):
 def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, temp_ref,
                    ones_ref, out_ref, lse_ref, *scratch_refs):
   """One program: warpgroups 0 and 1 compute (_forward_compute), 2 streams the
-  key and value tiles of the hull of their ranges (mosaic_common.ring_steps),
+  key and value tiles of the hull of their ranges (common.ring_steps),
   for each of the program's work items (_work). ``ones_ref`` and the ones'
   scratch only with ``p.rounded_sum``."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   sc = _scratch(p, scratch_refs)
   wg = lax.axis_index("wg")
   count, item_of = _work(p, spans_ref, wg)
@@ -285,9 +286,9 @@ def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, te
       del i
       def locate(kb):
         return (item.bi, pl.ds(kb * p.block_kv, p.block_kv), item.kv_head)
-      mosaic_common.ring_steps(item.lo, item.hi, item.lo - base, p.stages, locate, groups)
+      common.ring_steps(item.lo, item.hi, item.lo - base, p.stages, locate, groups)
 
-    mosaic_common.ring_observe(_over_items(count, item_of, stream), p.stages, groups)
+    common.ring_observe(_over_items(count, item_of, stream), p.stages, groups)
 
 
 class _Ring(NamedTuple):
@@ -313,7 +314,7 @@ def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, out_ref, 
   rows (their Q copy issued before) over its own key tiles, draining the
   item's tiles outside them, then O and lse out. ``load_next_q`` issues the
   next item's Q copy as soon as Q's buffer is free."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   block_q, block_kv = p.block_q, p.block_kv
   bi, h = item.bi, item.h
   q_start = item.tile * p.rows + wg * block_q
@@ -382,7 +383,7 @@ def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, out_ref, 
 def _schedule_sync(schedule):
   """Arrive at and wait for the schedule barrier, which alternates the two
   compute warpgroups."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   plgpu.barrier_arrive(schedule)
   plgpu.barrier_wait(schedule)
 
@@ -405,7 +406,7 @@ def _forward_step(p: ForwardParams, ring: _Ring, row: _Row, kb, state, masked):
   at 8 columns against P @ V's head_dim, not a second cross-lane sum per tile,
   whose cost docs/DEFECTS.md, B33, measured); the schedule barrier between the
   two matmuls hands the tensor cores to the other compute warpgroup."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   s = ring_slot(kb, ring.origin, p.stages)
   m, l, correction, probs = _softmax_of_tile(p, ring, row, kb, state, masked)
   acc = state.rescaled_acc(correction)
@@ -420,7 +421,7 @@ def _forward_step(p: ForwardParams, ring: _Ring, row: _Row, kb, state, masked):
 def _softmax_of_tile(p: ForwardParams, ring: _Ring, row: _Row, kb, state, masked):
   """Key tile ``kb``'s s = Q K^T (the schedule barrier taken while it runs,
   but in the overlapped forward) and softmax step (SoftmaxState.step)."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   s = ring_slot(kb, ring.origin, p.stages)
   plgpu.barrier_wait(ring.k_loaded.at[s])
 
@@ -445,7 +446,7 @@ def _softmax_step(p: ForwardParams, row: _Row, kb, state, scores, masked):
 def _probs_times_values(p: ForwardParams, ring: _Ring, row: _Row, s, state, probs):
   """acc += probs @ V of ring slot ``s`` (and l_used += probs @ ones), its V
   loaded; the slot's V released once the product has run."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
 
   def pv(acc_refs):
     plgpu.wgmma(acc_refs[0], probs, ring.v_smem.at[s])
@@ -467,7 +468,7 @@ def _overlapped_tiles(p: ForwardParams, ring: _Ring, row: _Row, tiles, state):
   (each P @ V still adds to the accumulator its tile's correction scaled),
   so the same bits. The first tile's mask kind is known at run time only: a
   switch over the kinds, and a branch for a warpgroup without tiles."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   kind = sum(lax.convert_element_type(bound <= tiles.lo, jnp.int32)
              for bound in tiles.bounds[1:])
   no_probs = plgpu.layout_cast(jnp.zeros((p.block_q, p.block_kv), p.dtype),
@@ -501,7 +502,7 @@ def _overlapped_step(p: ForwardParams, ring: _Ring, row: _Row, kb, carry, masked
   then the previous tile's P @ V (and P @ ones), wait for the scores only
   (wgmma groups complete in order) and compute the softmax step while the
   P @ V runs, then wait for it and rescale."""
-  plgpu = mosaic_common.plgpu()
+  plgpu = common.plgpu()
   state, probs_prev = carry
   s = ring_slot(kb, ring.origin, p.stages)
   s_prev = ring_slot(kb - 1, ring.origin, p.stages)
@@ -538,9 +539,9 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
   ``seg`` [B, T] int32 or None; ``temp`` [B, T, Hq] float32 or None."""
   b, t, hq, d = q.shape
   dtype = q.dtype
-  head_dim = mosaic_common.padded_head_dim(d)
+  head_dim = common.padded_head_dim(d)
   rows = 2 * tiles.block_q
-  seq_pad = mosaic_common.padded_length(t, rows, tiles.block_kv)
+  seq_pad = common.padded_length(t, rows, tiles.block_kv)
   has_seg, has_temp = seg is not None, temp is not None
   p = ForwardParams(
       spec=spec,
@@ -553,9 +554,9 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       rounded_sum=sums_rounded(spec, dtype), q_tiles=seq_pad // rows,
       overlap_softmax=tiles.overlap_softmax)
   if tiles.persistent:
-    p = dataclasses.replace(p, programs=min(mosaic_common.multiprocessors(), p.items))
+    p = dataclasses.replace(p, programs=min(common.multiprocessors(), p.items))
     with_out = dataclasses.replace(p, separate_out=True)
-    if mosaic_common.scratch_bytes(forward_scratch(with_out)) <= mosaic_common.MAX_SHARED_MEMORY:
+    if common.scratch_bytes(forward_scratch(with_out)) <= common.MAX_SHARED_MEMORY:
       p = with_out
 
   q, k, v = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
@@ -563,7 +564,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
   seg = pad(seg, {1: seq_pad}) if has_seg else None
   temp = pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad}) if has_temp else None
   ones = jnp.ones((USED_SUM_COLUMNS, p.block_kv), dtype) if p.rounded_sum else None
-  call = mosaic_common.warp_specialized_call(
+  call = common.warp_specialized_call(
       functools.partial(forward_kernel, p),
       spec=spec, fast_cap=fast_cap,
       out_type=(jax.ShapeDtypeStruct(q.shape, dtype),

@@ -17,8 +17,9 @@ from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
 
-from .pallas_compat import load_vector, plgpu
-from .tile_math import TileMask, Tiles, scores_to_logits, visible_mask
+from ..cap_forms import approx_math
+from ..pallas_compat import load_vector, plgpu
+from ..tile_math import TileMask, Tiles, scores_to_logits, visible_mask
 
 # bfloat16 and float16: wgmma's 16-bit operands (float32 stays on Triton).
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -206,7 +207,7 @@ def kernel_call(body, **kernel_args):
 
 def warp_specialized_call(body, *, spec: StaticSpec, fast_cap: bool, **kernel_args):
   """kernel_call of a body whose warpgroups 0 and 1 compute and 2 copies
-  (thread axis "wg"), with the kernels' compiler parameters (approx_math)."""
+  (thread axis "wg"), with the kernels' compiler parameters (cap_forms.approx_math)."""
   mgpu = plgpu()
   params = mgpu.CompilerParams(approx_math=approx_math(spec, fast_cap),
                                lowering_semantics=mgpu.LoweringSemantics.Warpgroup)
@@ -251,15 +252,6 @@ def swizzled():
   TMA writes it and wgmma reads it."""
   mgpu = plgpu()
   return (mgpu.TilingTransform((8, 64)), mgpu.SwizzleTransform(128))
-
-
-def approx_math(spec: StaticSpec, fast_cap: bool) -> bool:
-  """Whether a kernel is built with approx_math, which makes every exp2,
-  log and tanh of the kernel an ``.approx`` instruction: without a cap (the
-  softmax's exp2 is the Triton kernels' ex2.approx too) or with the caps'
-  fast forms (bfloat16). Exact caps (float16; caps above FAST_CAP_MAX_PARAM)
-  keep accurate transcendentals."""
-  return spec.cap_method == "none" or fast_cap
 
 
 def multiprocessors() -> int:
