@@ -1,4 +1,4 @@
-"""ua-bench: forward and forward+backward time and TFLOP/s against peers.
+"""python -m benchmarks.bench (ua-bench): forward and forward+backward time and TFLOP/s against peers.
 
 FLOPs: 4*B*Hq*T^2*D for the forward over visible pairs (halved for causal,
 T*W-ish for windows: counted exactly from the mask), forward+backward 3.5x.
@@ -355,7 +355,7 @@ def print_feature_ratios(rows):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(prog="ua-bench", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__)
   parser.add_argument("--set", default="quick", choices=sorted([*CONFIGS, "features"]))
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--no-peers", action="store_true")
@@ -378,7 +378,7 @@ def main(argv=None):
     parser.error(f"--impls names unknown implementations {sorted(wanted - known)}; "
                  f"known: {sorted(known)}")
   if jax.default_backend() != "gpu":
-    print(f"ua-bench: no GPU (jax backend {jax.default_backend()}): the kernels run in the "
+    print(f"benchmarks.bench: no GPU (jax backend {jax.default_backend()}): the kernels run in the "
           "Pallas interpreter, slowly, and the times say nothing of a GPU", file=sys.stderr,
           flush=True)
   selected = selected_configs(options.set, options.dtype, options.cases)

@@ -1,4 +1,4 @@
-"""ua-mutate: source-level mutation testing of ua_kernels, from a source checkout.
+"""python -m benchmarks.mutation (ua-mutate): source-level mutation testing of ua_kernels, from a source checkout.
 
 Each mutant is one textual change to the kernels or their wrapper. For each,
 the checkout (``--repo``, default the current directory) is copied to a
@@ -304,7 +304,7 @@ def source_root(path: str | Path | None = None) -> Path:
   """The source checkout to mutate (default: the current directory)."""
   root = Path(path or Path.cwd()).resolve()
   if not (root / KERNELS).is_file() or not (root / "tests").is_dir():
-    raise SystemExit(f"ua-mutate needs a source checkout of unified-attention; {root} has no "
+    raise SystemExit(f"benchmarks.mutation needs a source checkout of unified-attention; {root} has no "
                      f"{KERNELS} or tests/ (use --repo)")
   return root
 
@@ -400,7 +400,7 @@ def rotating_subset(count: int, key: str | None = None) -> list[Mutant]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="ua-mutate", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.mutation", description=__doc__)
   parser.add_argument("--only", nargs="*", help="mutant ids to run (default: all)")
   parser.add_argument("--rotate", type=int, default=0,
                       help="run only this many mutants, chosen by --key (CI)")

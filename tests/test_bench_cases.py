@@ -1,4 +1,4 @@
-"""ua-bench's case selection (--cases): a run cut short is finished by naming
+"""benchmarks.bench's case selection (--cases): a run cut short is finished by naming
 the cases it did not reach, so the names must select exactly those. Selection
 only; nothing is timed here."""
 

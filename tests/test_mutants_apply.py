@@ -1,4 +1,4 @@
-"""Every mutant of ua-mutate still applies to the current kernel source.
+"""Every mutant of benchmarks.mutation still applies to the current kernel source.
 
 CI replays a rotating subset of the mutants (docs/MUTATION.md); one whose text no
 longer matches exactly once would fail only the CI run that draws it. This checks
