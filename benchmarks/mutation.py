@@ -102,10 +102,10 @@ MUTANTS = [
            "num_blocks = spec.seq_len // block_kv", "tail key block dropped (floor)"),
     Mutant("M6", TILE_MATH, "num_blocks = -(-spec.seq_len // block_q)",
            "num_blocks = max(spec.seq_len // block_q, 1)", "tail query block dropped in dk/dv"),
-    Mutant("M7", TILE_MATH, "  if spec.cap_method == \"none\":\n    scores, scale, cap_arg",
+    Mutant("M7", TILE_MATH, "  if spec.cap_method == \"none\":\n    scores, cap_arg",
            "  if temp is not None and spec.cap_method != 'none':\n"
            "    qk = qk * along_rows(temp, qk)\n    temp = None\n"
-           "  if spec.cap_method == \"none\":\n    scores, scale, cap_arg",
+           "  if spec.cap_method == \"none\":\n    scores, cap_arg",
            "temperature applied before the cap"),
     Mutant("M8", TILE_MATH,
            "  if temp is not None:\n    ds = ds * along_queries(temp, ds, logits.query_axis)\n", "",
@@ -135,7 +135,8 @@ MUTANTS = [
     Mutant("M17", SOFTMAX_STATE, "return m_new, correction * self.l + jnp.sum(p, axis=1)",
            "return m_new, self.l + jnp.sum(p, axis=1)",
            "online-softmax row sum not rescaled"),
-    Mutant("M21", TILE_MATH, "  if temp is not None or scale <= 0:", "  if temp is not None:",
+    Mutant("M21", TILE_MATH, "  return not has_temperature and scale > 0",
+           "  return not has_temperature",
            "negative sm_scale folded into the exp2 (row max taken before the multiply)"),
     Mutant("M22", SOFTMAX_STATE,
            "correction = fast_math.exp2((self.m - m_safe) * logits.scale)",

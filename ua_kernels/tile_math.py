@@ -154,6 +154,19 @@ def _cap_fold(spec: StaticSpec) -> tuple[float, float, tuple[float, ...]]:
   return spec.sm_scale, LOG2E, spec.cap_params
 
 
+def _exp2_factor(spec: StaticSpec) -> float:
+  """What multiplies the (capped) scores into base-2 logits: sm_scale * log2(e)
+  without a cap, the cap's fold with one (_cap_fold)."""
+  return spec.sm_scale * LOG2E if spec.cap_method == "none" else _cap_fold(spec)[1]
+
+
+def _scale_in_exp2(scale: float, has_temperature: bool) -> bool:
+  """Whether the exp2's multiply may wait until after the row max (Logits.scale):
+  not under a per-row temperature (of either sign), nor for a scale <= 0,
+  which does not commute with the max (nor -inf * 0 with the mask)."""
+  return not has_temperature and scale > 0
+
+
 # Widest range, in base-2 units, of the logits a cap allows for which the
 # forward may shift its exp2 by a constant (fixed_shift): probabilities then
 # lie within 2^(+-50), so a row's sums stay finite and its largest terms stay
@@ -220,16 +233,15 @@ def scores_to_logits(spec: StaticSpec, qk, temp, mask, fast_cap: bool,
   and p0 left to the exp2's multiply: for the tanh cap, tanh(q.k * sm_scale/c)
   is one multiply and one tanh per logit, the same function as c*tanh(s/c).
   """
+  scale = _exp2_factor(spec)
   if spec.cap_method == "none":
-    scores, scale, cap_arg, params = qk, spec.sm_scale * LOG2E, None, ()
+    scores, cap_arg, params = qk, None, ()
   else:
-    arg_scale, scale, params = _cap_fold(spec)
+    arg_scale, _, params = _cap_fold(spec)
     cap_arg = qk * arg_scale
     cap_forward, _ = forms(spec.cap, fast_cap)
     scores = cap_forward(cap_arg, *params)
-  if temp is not None or scale <= 0:
-    # A per-row temperature (of either sign) or an sm_scale <= 0 does not
-    # commute with the row max (nor -inf * 0 with the mask): multiply first.
+  if not _scale_in_exp2(scale, temp is not None):  # multiply first
     scores = scores * (scale if temp is None
                        else along_queries(temp * scale, scores, query_axis))
     scale = 1.0
@@ -267,11 +279,8 @@ def probabilities(logits: Logits, shift, low=None):
 def exp2_scale(spec: StaticSpec, has_temperature: bool) -> float:
   """The Logits.scale of the kernels' tiles (scores_to_logits): what turns the
   row statistics' shift into base-2 units for the caller's lse."""
-  if spec.cap_method == "none":
-    scale = spec.sm_scale * LOG2E
-  else:
-    scale = _cap_fold(spec)[1]
-  return 1.0 if has_temperature or scale <= 0 else scale
+  scale = _exp2_factor(spec)
+  return scale if _scale_in_exp2(scale, has_temperature) else 1.0
 
 
 def logits_grad(spec: StaticSpec, p, dp, delta, logits: Logits, temp, fast_cap: bool):
