@@ -44,7 +44,7 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 # JAX's Pallas-Triton mha at the tiles of properties/peers/impls.py PALLAS_MHA_TILES
 # (block_q 128, block_k 64, every backward block 64; num_warps and num_stages
 # left to mha): on the H200 about 323 TFLOP/s forward+backward, against 146 at
-# mha's default block sizes (docs/BENCHMARKS.md, "Against the peers"). cuDNN
+# mha's default block sizes (docs/HISTORY.md, "Against the peers"). cuDNN
 # and XLA through jax.nn.dot_product_attention have no tiles to set; the jnp
 # peer is plain XLA; FlexAttention runs with torch.compile's default options.
 PEER_CONFIGS = {

@@ -2,8 +2,8 @@
 them (tests/outside_kernels.py): narrow declarations (D 128/256 only, 128-row
 tiles, bfloat16 alone) and callables that capture device arrays, jit or vmap
 inside, or carry their own custom_vjp pass; planted defects of those shapes
-fail. The tests select the properties that show each; the whole ci profile of
-each kernel ran for docs/PLUGINS.md ("Kernels shaped otherwise")."""
+fail. The tests select the properties that show each; docs/PLUGINS.md ("Declaring
+what an implementation supports") says how a kernel declares its limits."""
 
 import pytest
 

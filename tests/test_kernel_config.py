@@ -177,7 +177,7 @@ def test_the_forward_is_persistent_without_a_band_up_to_the_measured_length():
 
 def test_the_forward_overlaps_its_softmax_above_head_dim_64():
   """The overlapped forward gained at head dims 128 and 256 and lost at 64,
-  persistent or not (docs/BENCHMARKS.md, "The overlapped forward")."""
+  persistent or not (docs/HISTORY.md, "The overlapped forward")."""
   bf16 = jnp.bfloat16
   for d, overlapped in ((64, False), (80, True), (128, True), (256, True)):
     for options in (dict(), dict(causal=True)):

@@ -110,7 +110,7 @@ def _delta(spec: StaticSpec, out, dout, lse2, dlse):
   Computed as its own XLA reduction (the optimization barrier): left free, XLA
   fused the row sums into their consumer, the stack of per-query rows of the
   Mosaic backward (mosaic.backward.backward), one loop fusion several times
-  slower than the reduction alone (docs/BENCHMARKS.md, "Where the
+  slower than the reduction alone (docs/HISTORY.md, "Where the
   forward+backward time goes")."""
   lse = lse2 * LN2
   delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32),

@@ -8,7 +8,7 @@ anyway) and which kernels may build every transcendental approximate
 The tanh family's fast form is one ``tanh.approx.f32`` instruction
 (ua_kernels.fast_math, about 2^-11 relative) where an accurate tanh takes two
 multi-function-unit operations per logit on top of the softmax's exp2
-(docs/BENCHMARKS.md, "What moved the forward, measured", says what that
+(docs/HISTORY.md, "What moved the forward, measured", says what that
 costs). Their derivative is not 1 - t^2 of that t, which cancels near
 saturation, but fast_math.tanh_complement. The kernels declare these forms to the suite (``ua_cap_forms``), which
 holds them to properties.cap_checks.FORM_TOLERANCE of the exact ones; the

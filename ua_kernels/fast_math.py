@@ -7,7 +7,7 @@ the assembler adds a range check and two conditional multiplies around it to
 produce subnormal results. Softmax probabilities below 2^-126 are negligible
 against a row sum of at least 1 (or, under a fixed shift, 2^-50; tile_math), so
 flushing them to zero changes nothing the tolerances see; it made the forward
-and backward faster with outputs bit-identical (docs/BENCHMARKS.md, "What
+and backward faster with outputs bit-identical (docs/HISTORY.md, "What
 moved the forward, measured"). On the CPU the
 function is ``jnp.exp2``; XLA:CPU flushes subnormals too, so both give 0 below
 2^-126.

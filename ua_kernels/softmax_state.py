@@ -96,7 +96,7 @@ class SoftmaxState(NamedTuple):
     used = self.used_sum()
     used = l_safe if used is None else jnp.where(has_key, used, 1.0)
     # A reciprocal per row, not a division per element: the same time and the
-    # same bits on the GPU (docs/BENCHMARKS.md, "What moved the forward").
+    # same bits on the GPU (docs/HISTORY.md, "What moved the forward").
     out = self.acc * along_rows(1.0 / used, self.acc)
     log_l = fast_math.log2(l_safe)
     if with_low:

@@ -249,7 +249,7 @@ def _accumulate(acc, a, b_smem, exponent):
   """acc + a @ b by wgmma, accumulated in place. With matmul_operand's
   ``exponent`` (float16) the _Scaled accumulator's rows are first brought to
   the operand's scale (tile_math.rescaled: two multiplies per element), and no
-  second accumulator takes the product from zero (docs/BENCHMARKS.md, "The
+  second accumulator takes the product from zero (docs/HISTORY.md, "The
   float16 range scaling in place"). A row's sum that leaves float32's range
   when brought up (beyond 2^65, for a tile of |ds| below 2^-48) is beyond
   float16's output range too."""

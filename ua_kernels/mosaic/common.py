@@ -165,7 +165,7 @@ def program_spans(ranges_ref, batch, program, warpgroup):
   All eight scalars are read here, at the start of the program's work item
   (of each item, in a persistent program), at once: read in
   two groups, the second after the query ids, they slowed the forward with
-  segment ids down (docs/BENCHMARKS.md, "The contract's options at
+  segment ids down (docs/HISTORY.md, "The contract's options at
   speed")."""
   if ranges_ref is None:
     return None, None, None
@@ -190,7 +190,7 @@ def kernel_call(body, **kernel_args):
   some may be None (no segment ids, no temperature): those are left out of
   the kernel's call, and ``body`` receives None in their refs' places. An
   absent input passed as zeros would be a broadcast XLA materialises before
-  every call (docs/BENCHMARKS.md, "The contract's options at speed")."""
+  every call (docs/HISTORY.md, "The contract's options at speed")."""
   def call(*operands):
     absent = [i for i, x in enumerate(operands) if x is None]
 

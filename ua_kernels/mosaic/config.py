@@ -40,7 +40,7 @@ class MosaicTiles:
   the previous tile's P @ V and computes the softmax while that product runs
   (FlashAttention-3's intra-warpgroup overlap), in place of the schedule
   barrier that alternates the two compute warpgroups (with both it was
-  slower: docs/BENCHMARKS.md, "The overlapped forward"); the same bits as
+  slower: docs/HISTORY.md, "The overlapped forward"); the same bits as
   without. Above head
   dim 128 the dq kernel streams at most 64 keys, and backward tiles whose
   shared memory does not fit run the backward on Triton

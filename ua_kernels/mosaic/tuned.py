@@ -19,7 +19,7 @@ def mosaic_tiles(spec: StaticSpec, dtype) -> MosaicTiles:
   only so); 128-key dq tiles beat 64 at head dim 128. The forward
   is persistent without a causal mask or a window, up to PERSISTENT_MAX_SEQ_LEN
   keys: what it saves is one prologue and epilogue per item, which matters
-  where items are short (docs/BENCHMARKS.md, "The persistent forward"). Under
+  where items are short (docs/HISTORY.md, "The persistent forward"). Under
   a causal mask or a window the items' work follows the query tile, and dealt
   round-robin they leave multiprocessors idle at the end; packed documents'
   items, whose work follows the documents, gained from it even where one row
@@ -27,7 +27,7 @@ def mosaic_tiles(spec: StaticSpec, dtype) -> MosaicTiles:
   documents: the persistent forward").
   Above head dim 64 the forward overlaps each tile's softmax with the
   previous tile's P @ V, which gained at head dims 128 and 256 and lost at 64
-  (docs/BENCHMARKS.md, "The overlapped forward")."""
+  (docs/HISTORY.md, "The overlapped forward")."""
   del dtype  # measured in bfloat16; float16 has the same bytes
   banded = spec.causal or bool(spec.window_len)
   return MosaicTiles(block_q=64, block_kv=128 if spec.head_dim <= 128 else 64, stages=2,
