@@ -9,7 +9,8 @@ import json
 import os
 import time
 
-from ..run.loading import DEFAULT_IMPL, import_modules
+from ..campaign.option_table import OPTIONS
+from ..run.loading import import_modules
 from .merge import _check_html, _merge, _write_html
 from .verdict import _verdict
 
@@ -64,7 +65,9 @@ def _xdist_has_maxschedchunk() -> bool:
 class _CheckImpl:
   """Loads --impl once in the controlling process, inside pytest (so that its
   modules import after pytest's own set-up): a bad name is one clear usage
-  error, not a failure per worker."""
+  error, not a failure per worker. The plugin checks an --impl other than the
+  default the same way; this checks the default too, as ua-verify always runs
+  the suite on it."""
 
   def __init__(self, impl: str):
     self.impl = impl
@@ -72,13 +75,8 @@ class _CheckImpl:
   def pytest_configure(self, config):
     if hasattr(config, "workerinput"):
       return
-    import pytest
-
-    from ..model.capabilities import load_impl
-    try:
-      load_impl(self.impl)
-    except Exception as exc:  # noqa: BLE001 -- reported as the usage error it is
-      raise pytest.UsageError(f"--impl {self.impl}: {type(exc).__name__}: {exc}") from exc
+    from ..campaign.options import check_impl
+    check_impl(self.impl)
 
 
 def _precheck_imported_caps(parser, imports: str) -> str | None:
@@ -103,12 +101,23 @@ def _precheck_imported_caps(parser, imports: str) -> str | None:
   return None
 
 
+# ua-verify's own defaults of some shared options, overriding the table's
+# (the plugin keeps those): dest -> (the parser's default, what its help adds).
+# None: _profile_defaults picks the value by profile and time box.
+VERIFY_DEFAULTS = {
+    "report": ("ua-report.json", "default: ua-report.json"),
+    "oracle_chunks": (None, f"with --minutes the default is {TIME_BOX_ORACLE_CHUNKS}, more "
+                            "than a box runs, so that no worker idles before the deadline"),
+    "compile_cache": (None, "gpu and tpu profiles: .ua-jax-cache"),
+    "compile_threads": (None, "gpu and tpu profiles: 2; else 1"),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
-  """ua-verify's options (docs/VERIFICATION.md)."""
+  """ua-verify's options (docs/VERIFICATION.md): its own, then the suite's
+  (option_table.OPTIONS, the plugin's --ua-NAME as --NAME)."""
   parser = argparse.ArgumentParser(prog="ua-verify", description=verify_main.__doc__)
-  parser.add_argument("--impl", default=DEFAULT_IMPL, help="implementation, module:function")
   parser.add_argument("--profile", default="ci", choices=PROFILE_NAMES)
-  parser.add_argument("--report", default="ua-report.json", help="JSON report path")
   parser.add_argument("-n", "--workers", default="auto",
                       help="pytest-xdist workers: 'auto' (the default, one per CPU core) or "
                            "a number ('0' for none, one process); ignored with --gpus")
@@ -124,25 +133,6 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--workers-per-gpu", type=int, default=None,
                       help="workers on each GPU (default: the host's CPU cores over --gpus, "
                            "as workers spend most of their time compiling)")
-  parser.add_argument("--minutes", type=float, default=None,
-                      help="time box: tests not started within it are skipped")
-  parser.add_argument("--oracle-chunks", type=int, default=None,
-                      help="tests per dtype of each oracle property; with --minutes the "
-                           f"default is {TIME_BOX_ORACLE_CHUNKS}, more than a box runs, so "
-                           "that no worker idles before the deadline")
-  parser.add_argument("--case-timeout", type=float, default=None,
-                      help="seconds after which a case counts as hung (default: the "
-                           "profile's base, 600 or on gpu/tpu 900, plus a second per 1e8 "
-                           "multiply-adds of the case; under --minutes at most 300 s past "
-                           "the box's end plus that share)")
-  parser.add_argument("--failures", default="ua-failures", help="directory of case files")
-  parser.add_argument("--database", default=None,
-                      help="Hypothesis example database: a directory (default "
-                           ".hypothesis/ua-examples) or a Redis URL redis://HOST:PORT/DB")
-  parser.add_argument("--shared-database", default=None,
-                      help="example database combined with --database: a directory (read "
-                           "only) or a Redis URL redis://HOST:PORT/DB (read and written: "
-                           "campaigns on several hosts replay each other's failures)")
   parser.add_argument("--merge", nargs="+", metavar="REPORT", default=None,
                       help="run nothing: merge these JSON reports (of several hosts) into "
                            "one, printed and written to --report")
@@ -152,80 +142,85 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--html-baseline", default=None, metavar="REPORT",
                       help="with --html: a previous JSON report whose error/tolerance "
                            "distributions the page shows beside this run's")
-  parser.add_argument("--compile-cache", default=None,
-                      help="JAX persistent compilation cache (gpu profile: .ua-jax-cache)")
-  parser.add_argument("--compile-threads", type=int, default=None,
-                      help="threads each worker compiles an oracle case's executables on "
-                           "(gpu profile: 2; else 1)")
-  parser.add_argument("--seeds", type=int, default=None,
-                      help="input seeds per drawn configuration of an oracle property "
-                           "(default: the profile's)")
-  parser.add_argument("--save-baseline", default=None, metavar="FILE",
-                      help="write every case's error/tolerance per output to FILE (a "
-                           "precision baseline; the ci profile draws the same cases each run)")
-  parser.add_argument("--baseline", default=None, metavar="FILE",
-                      help="fail when the errors grew significantly against FILE's cases "
-                           "(written by --save-baseline)")
-  parser.add_argument("--import", dest="imports", default="",
-                      help="comma-separated modules that register cap methods")
+  shared = parser.add_argument_group("the suite's options (pytest: --ua-NAME, --impl)")
+  for option in OPTIONS:
+    if not option.in_verify:
+      continue
+    default, note = _verify_default(option)
+    extra = {"type": option.type} if option.type is not str else {}
+    if option.metavar:
+      extra["metavar"] = option.metavar
+    shared.add_argument(option.verify_flag, dest=option.dest, default=default,
+                        help=option.help_for(plugin=False) + (f" ({note})" if note else ""),
+                        **extra)
   parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
   return parser
 
 
+def _verify_default(option) -> tuple:
+  """(ua-verify's default of a shared option, what its help adds of it)."""
+  return VERIFY_DEFAULTS.get(option.dest, (option.default, None))
+
+
+def _profile_defaults(args) -> dict:
+  """ua-verify's values of the shared options it leaves to the profile and
+  the time box (VERIFY_DEFAULTS), where they are not given."""
+  gpu = args.profile in ("gpu", "tpu")  # a compiled campaign: cache, threads
+  out = {"compile_threads": 2 if gpu else 1}
+  if args.minutes is not None:
+    out["oracle_chunks"] = TIME_BOX_ORACLE_CHUNKS
+  if gpu:
+    out["compile_cache"] = ".ua-jax-cache"
+  return out
+
+
 def _pytest_args(args) -> list[str]:
   """The pytest command line of a ua-verify run: the installed suite module,
-  the profile, and each option that was given, as the plugin's --ua-* option."""
-  gpu = args.profile in ("gpu", "tpu")  # a compiled campaign: cache, threads, timeout
-  chunks = args.oracle_chunks
-  if chunks is None and args.minutes is not None:
-    chunks = TIME_BOX_ORACLE_CHUNKS
-  timeout = args.case_timeout  # None: the profile's, scaled to each case (verifier.case_timeout)
-  cache = args.compile_cache or (".ua-jax-cache" if gpu else None)
-  threads = args.compile_threads if args.compile_threads is not None else (2 if gpu else 1)
+  the profile, and each shared option that has a value, as the plugin's
+  --ua-NAME (a given one, else ua-verify's default)."""
+  defaults = _profile_defaults(args)
   # ua-verify runs inside the package whose plugin pytest then loads: pytest's
   # note that it cannot rewrite the already imported package's asserts is moot.
   pytest_args = ["--pyargs", "properties.suite", "-q", "-p", "no:cacheprovider",
                  "-W", "ignore::pytest.PytestAssertRewriteWarning",
-                 f"--impl={args.impl}", f"--hypothesis-profile=ua-{args.profile}",
-                 f"--ua-report={args.report}", f"--ua-failures={args.failures}",
-                 *_worker_args(args), *([] if args.traceback else ["--tb=no"])]
-  for flag, value in (("--ua-import", args.imports), ("--ua-minutes", args.minutes),
-                      ("--ua-oracle-chunks", chunks),
-                      ("--ua-case-timeout", timeout), ("--ua-database", args.database),
-                      ("--ua-shared-database", args.shared_database),
-                      ("--ua-compile-cache", cache),
-                      ("--ua-compile-threads", threads), ("--ua-seeds", args.seeds),
-                      ("--ua-save-baseline", args.save_baseline),
-                      ("--ua-baseline", args.baseline)):
-    if value is not None and value != "":
-      pytest_args.append(f"{flag}={value}")
-  return pytest_args
+                 f"--hypothesis-profile=ua-{args.profile}"]
+  for option in OPTIONS:
+    if not option.in_verify:
+      continue
+    value = getattr(args, option.dest)
+    if value is None or value == "":
+      value = defaults.get(option.dest, value)
+    # An empty value means "not given", but where the default is a path or a
+    # name (--impl, --report, --failures) it goes on as given.
+    if value is not None and (value != "" or _verify_default(option)[0]):
+      pytest_args.append(f"{option.plugin_flag}={value}")
+  return pytest_args + _worker_args(args) + ([] if args.traceback else ["--tb=no"])
+
+
+def _check_shared(parser, args, names=None) -> None:
+  """The shared options' checks (option_table), as the plugin runs them but
+  named as given here: a usage error (status 2) before pytest starts."""
+  for option in OPTIONS:
+    if option.in_verify and (names is None or option.dest in names):
+      problem = option.problem(getattr(args, option.dest), plugin=False)
+      if problem:
+        parser.error(problem)
 
 
 def verify_main(argv=None) -> int:
   """ua-verify: runs every property of the suite and prints a report by feature group."""
   parser = _parser()
   args = parser.parse_args(argv)
-  if args.minutes is not None and not args.minutes > 0:
+  if args.minutes is not None and not args.minutes > 0:  # stricter than the plugin's 0
     parser.error(f"--minutes must be positive, got {args.minutes:g}")
-  report_dir = os.path.dirname(os.path.abspath(args.report))
-  if not os.path.isdir(report_dir):
-    parser.error(f"--report {args.report}: no directory {report_dir}")
+  _check_shared(parser, args, ("report",))  # --merge writes it too
   baseline = _check_html(parser, args)
   if args.merge:
     return _merge(parser, args.merge, args.report, html=(args.html, args.html_baseline, baseline))
-  from ..campaign.databases import DatabaseOptionError, check_option
-  for option, value in (("--database", args.database),
-                        ("--shared-database", args.shared_database)):
-    try:
-      check_option(option, value)
-    except DatabaseOptionError as exc:
-      parser.error(str(exc))
+  _check_shared(parser, args)
   if args.profile == "ci" and (args.database or args.shared_database):
     print("note: the ci profile keeps no example database; --database and "
           "--shared-database take effect with --profile dev, fuzz or gpu")
-  if os.path.exists(args.failures) and not os.path.isdir(args.failures):
-    parser.error(f"--failures {args.failures}: exists and is not a directory")
   contradiction = _precheck_imported_caps(parser, args.imports)
   if contradiction:
     print(f"FAIL: {contradiction}")
