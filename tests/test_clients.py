@@ -38,10 +38,13 @@ def test_a_narrow_kernel_with_a_causal_off_by_one_fails(tmp_path):
 
 @pytest.mark.parametrize("name", ["closure", "inner_jit", "inner_vmap", "custom_vjp"])
 def test_callables_over_captured_arrays_pass(name, tmp_path):
+  # The harness errors such callables met came on their first case: three
+  # configurations of each show them gone.
   proc, report = run_suite(tmp_path, f"outside_kernels:{name}_attention", "-k",
-                           "matches_oracle-float32 and not cap and not mask and not long")
+                           "matches_oracle-float32 and not cap and not mask and not long",
+                           "--ua-max-examples=3")
   assert proc.returncode == 0, proc.stdout[-3000:]
-  assert report["cases"] >= 10 and _problems(report) == 0
+  assert report["cases"] >= 3 and _problems(report) == 0
 
 
 @pytest.mark.parametrize("name, select", [
