@@ -80,10 +80,9 @@ def profile_configuration(impl, case, seeds: int) -> dict:
       ref_args = runner._reference_args(case, inputs, float64)
       row[name] = _aot_steps(runner._vjp_fn(runner.REFERENCE, with_lse), ref_args,
                              runner.HARNESS_COMPILER_OPTIONS)
-  # The whole check on this seed, everything compiled (runner's own caches warm up
-  # on the first call, so it runs twice and the second is kept).
+  # The whole check on this seed, everything compiled (runner's executables warm up
+  # on the first call, so it runs twice and the second is kept; each builds its harness).
   checks.matches_oracle(impl, case)
-  runner._harness.cache_clear()
   _, row["check_warm"] = _timed(checks.matches_oracle, impl, case)
   row["more_seeds"] = []
   for i in range(1, seeds):

@@ -15,7 +15,7 @@ import time
 
 from properties.model.capabilities import load_impl
 from properties.model.case import load_case_file
-from properties.judge.runner import evaluate, score
+from properties.judge.runner import Harness, evaluate
 
 VARIATIONS = {
     "as saved": {},
@@ -60,7 +60,7 @@ def main(argv=None):
       continue
     case = variant(base, change)
     start = time.time()
-    errors = {e.name: e for e in score(case, evaluate(impl, case))}
+    errors = {e.name: e for e in Harness.of(case).score(evaluate(impl, case))}
     cells = " ".join(f"{errors[n].ratio:7.3f} ({errors[n].max_abs_err:7.1e})"
                      for n in ("out", "dq", "dk", "dv"))
     print(f"{name:26} {case.seq_len:5d} {cells}  {time.time() - start:.0f} s", flush=True)

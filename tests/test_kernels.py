@@ -392,13 +392,13 @@ def test_float32_gqa_group_sum_is_as_accurate_as_mha():
   from properties.model.capabilities import declare
   from properties.model.case import Case
   from properties.model.inputs import make_inputs
-  from properties.judge.runner import baseline, evaluate
+  from properties.judge.runner import Harness, evaluate
   import dataclasses
   kernels = declare("ua_kernels:attention", ua_kernels.attention)
   case = Case(batch=1, seq_len=513, num_q_heads=16, num_kv_heads=1, head_dim=64,
               dtype="float32", window_len=2, tiles=(16, 16), seed=47121)
   inputs = make_inputs(case)
-  oracle, _ = baseline(case)
+  oracle = Harness.of(case).oracle
   gqa = evaluate(kernels, case, inputs)
   repeated = dict(inputs, k=np.repeat(inputs["k"], 16, axis=2), v=np.repeat(inputs["v"], 16, axis=2))
   mha = evaluate(kernels, dataclasses.replace(case, num_kv_heads=16), repeated)

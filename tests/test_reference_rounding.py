@@ -25,8 +25,8 @@ CASES = sorted((Path(__file__).parent / "regressions").glob("original-F61-*.json
 @pytest.mark.parametrize("path", CASES, ids=[p.stem[-1] for p in CASES])
 def test_the_oracle_rounded_to_float16_passes_the_bias_gate(path):
   case = load_case_file(path)["case"]
-  oracle, _ = runner.baseline(case)
-  reference = runner.reference_result(case)
+  harness = runner.Harness.of(case)
+  oracle, reference = harness.oracle, harness.reference
   stats = {}
   for name in ("dq", "dk", "dv"):
     rounded = np.asarray(oracle[name], np.float64).astype(np.float16)

@@ -103,14 +103,9 @@ def test_the_tpu_harness_gives_the_cpu_harness_bounds(monkeypatch):
   from properties.model.case import Case
   case = Case(batch=1, seq_len=40, num_q_heads=2, num_kv_heads=1, head_dim=16,
               dtype="float32", causal=True, seed=3, cap_method="tanh", cap_params=(5.0,))
-  runner._harness.cache_clear()
-  on_cpu = runner.baseline(case)[1]
-  runner._harness.cache_clear()
+  on_cpu = runner.Harness.of(case).bounds
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  try:
-    on_tpu = runner.baseline(case)[1]
-  finally:
-    runner._harness.cache_clear()
+  on_tpu = runner.Harness.of(case).bounds
   assert set(on_cpu) == set(on_tpu) and on_cpu
   for name, (ref_err, tol) in on_cpu.items():
     assert on_tpu[name][0] == ref_err, name  # the same reference arithmetic on a CPU

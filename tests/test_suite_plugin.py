@@ -15,9 +15,8 @@ import pytest
 
 from properties.checks import registry
 
-from properties.run import verifier as verifier_module
 from properties.model.case import Case, load_case_file
-from properties.judge.runner import REFERENCE, HarnessError
+from properties.judge.runner import REFERENCE, Harness, HarnessError
 from properties.run.verifier import HarnessFailure, Verifier
 
 TESTS = Path(__file__).parent
@@ -114,9 +113,9 @@ def test_a_spent_time_box_skips_the_rest(tmp_path):
 
 def test_an_oracle_error_is_a_harness_error(tmp_path, monkeypatch):
   """Not a failure of the implementation: reported as the harness's, with its case."""
-  def broken_baseline(case):
+  def broken(cls, case):
     raise HarnessError("out of memory (simulated)")
-  monkeypatch.setattr(verifier_module, "baseline", broken_baseline)
+  monkeypatch.setattr(Harness, "of", classmethod(broken))
   records = []
   verifier = Verifier(REFERENCE, str(tmp_path), record=records.append)
   case = Case(batch=1, seq_len=5, num_q_heads=1, num_kv_heads=1, head_dim=16, dtype="float32")

@@ -9,7 +9,7 @@ import pytest
 from properties.model.case import Case
 from properties.checks.checks import matches_oracle
 from properties.model.capabilities import load_impl
-from properties.judge.runner import REFERENCE, baseline, floors_of, score
+from properties.judge.runner import REFERENCE, Harness
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = Case(batch=2, seq_len=33, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype="float32",
@@ -17,11 +17,17 @@ BASE = Case(batch=2, seq_len=33, num_q_heads=4, num_kv_heads=2, head_dim=32, dty
             tiles=(16, 32), seed=7)
 
 
+@pytest.fixture(scope="module")
+def base():
+  """BASE's harness, built once for the tests that judge against it."""
+  return Harness.of(BASE)
+
+
 @pytest.mark.parametrize("output", ["out", "lse", "dq", "dk", "dv"])
 @pytest.mark.parametrize("where", ["everywhere", "one_row"])
-def test_relative_error_of_1e_3_fails_float32(output, where):
+def test_relative_error_of_1e_3_fails_float32(output, where, base):
   """A float32 result off by 1e-3 relative (everywhere, or in the largest row)."""
-  oracle, _ = baseline(BASE)
+  oracle = base.oracle
   bad = {k: (None if v is None else np.array(v, np.float64)) for k, v in oracle.items()}
   x = bad[output]
   if where == "everywhere":
@@ -29,7 +35,7 @@ def test_relative_error_of_1e_3_fails_float32(output, where):
   else:
     row = np.unravel_index(np.argmax(np.abs(np.where(np.isfinite(x), x, 0))), x.shape)
     x[row[:-1]] *= 1 + 1e-3
-  errors = {e.name: e for e in score(BASE, bad)}
+  errors = {e.name: e for e in base.score(bad)}
   assert not errors[output].ok, errors[output]
   assert all(e.ok for name, e in errors.items() if name != output)
 
@@ -45,33 +51,33 @@ def test_an_error_fails_at_an_element_of_small_terms(dtype):
 
   from properties.judge.tolerance import FLOOR
   case = dataclasses.replace(BASE, dtype=dtype)
-  oracle, bounds = baseline(case)
+  harness = Harness.of(case)
+  oracle, bounds = harness.oracle, harness.bounds
   for name in ("out", "dq", "dk", "dv"):
     x = np.array(oracle[name], np.float64)
     _, tol = bounds[name]
     at = np.unravel_index(np.argmin(tol), tol.shape)
     assert 2 * tol[at] < FLOOR[dtype] * np.max(np.abs(x)), (name, tol[at])
     x[at] += 2 * tol[at]
-    error = {e.name: e for e in score(case, dict(oracle, **{name: x}))}[name]
+    error = {e.name: e for e in harness.score(dict(oracle, **{name: x}))}[name]
     assert not error.ok and error.worst_index == at, error
   rounded = {k: None if v is None else
              np.asarray(np.asarray(v, np.float32).astype(jnp.dtype(dtype)), np.float64)
              for k, v in oracle.items() if k != "lse"}
-  assert all(e.ok for e in score(case, rounded, outputs=("out", "dq", "dk", "dv")))
+  assert all(e.ok for e in harness.score(rounded, outputs=("out", "dq", "dk", "dv")))
 
 
-def test_oracle_and_reference_pass():
-  oracle, _ = baseline(BASE)
-  assert all(e.ok and e.max_abs_err == 0 for e in score(BASE, oracle))
-  matches_oracle(REFERENCE, BASE)
+def test_oracle_and_reference_pass(base):
+  assert all(e.ok and e.max_abs_err == 0 for e in base.score(base.oracle))
+  matches_oracle(REFERENCE, BASE, base)
 
 
-def test_nan_fails_even_when_tiny_tolerance():
-  oracle, _ = baseline(BASE)
+def test_nan_fails_even_when_tiny_tolerance(base):
+  oracle = base.oracle
   bad = dict(oracle)
   bad["dv"] = np.array(oracle["dv"])
   bad["dv"][0, 0, 0, 0] = np.nan
-  errors = {e.name: e for e in score(BASE, bad)}
+  errors = {e.name: e for e in base.score(bad)}
   assert errors["dv"].nan_count == 1 and not errors["dv"].ok
 
 
@@ -120,14 +126,15 @@ def test_lse_floor_covers_float32_logits_summed_in_sequence():
   c, sm = np.float32(case.cap_params[0]), np.float32(case.head_dim ** -0.5)
   qk = np.cumsum(q * k, axis=-1, dtype=np.float32)[:, -1]  # one rounding per product
   lse = (temp * c * np.tanh(qk * (sm / c))).astype(np.float32)
-  oracle, bounds = baseline(case)
+  harness = Harness.of(case)
+  oracle = harness.oracle
   result = dict(oracle, lse=lse.reshape(oracle["lse"].shape))
-  [error] = score(case, result, outputs=("lse",))
+  [error] = harness.score(result, outputs=("lse",))
   assert error.max_abs_err > 1.0e-5, error          # the emulation shows the effect
   # The floor alone must cover it: the reference's own error (the other part
   # of the tolerance) is a matter of its summation order's luck, and was
   # 3.5e-6 on the H200, about 1.8e-5 on the CPU.
-  floor = floors_of(case)["lse"]
+  floor = harness.floors["lse"]
   recorded = next(e for e in payload["errors"] if e["name"] == "lse")
   emulated = np.abs(np.asarray(result["lse"], np.float64) - oracle["lse"])
   assert np.all(emulated <= floor), (emulated, floor)

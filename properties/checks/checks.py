@@ -1,6 +1,10 @@
 """The properties. Each takes (impl, case) and returns the comparisons it
-made, raising PropertyFailure when one is out of tolerance. properties/checks/registry.py
-says which cases each applies to; properties/run/verifier.py runs them.
+made, raising PropertyFailure when one is out of tolerance. One that scores
+against the oracle also takes ``harness``, the Harness of the case it judges
+(the drawn case, or the one its registry entry's ``judged`` derives), built
+once by the verifier; called without it, it builds its own.
+properties/checks/registry.py says which cases each applies to;
+properties/run/verifier.py runs them.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from ..judge.bias import (CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, output
 from ..model.capabilities import Implementation, load_impl
 from ..model.case import Case
 from ..model.inputs import logit_scale, make_inputs
-from ..judge.runner import (HarnessError, baseline, evaluate, evaluate_arrays, evaluate_forward,
-                     reference_result, score, x64)
+from ..judge.runner import (Harness, HarnessError, evaluate, evaluate_arrays, evaluate_forward,
+                            x64)
 from ..judge.tolerance import FLOOR, OutputError, compare, error_table
 
 
@@ -45,24 +49,35 @@ def _replace(case: Case, **changes) -> Case:
   return dataclasses.replace(case, **changes)
 
 
+def _judging(harness: Harness | None, case: Case) -> Harness:
+  """``harness`` if it judges ``case`` (the verifier's), else ``case``'s own,
+  built here: a check called alone builds what the verifier would have."""
+  if harness is None:
+    return Harness.of(case)
+  if harness.case != case:
+    raise ValueError(f"the harness given judges {harness.case}, not {case}: the property's "
+                     f"registry entry (judged) and its check disagree")
+  return harness
+
+
 # --------------------------------------------------------------------------- #
 # Equivalence with the float64 oracle.
 
-def matches_oracle(impl, case: Case):
+def matches_oracle(impl, case: Case, harness: Harness | None = None):
   """Outputs and gradients (through jax.vjp), and the outputs of a plain call,
   within tolerance of the float64 oracle, and (bias.py) without a systematic
   shift of their rounding."""
+  harness = _judging(harness, case)
   result = evaluate(impl, case)
-  errors = score(case, result)
-  oracle, _ = baseline(case)
-  reference = reference_result(case)
+  errors = harness.score(result)
   judged = {}
   for e in errors:
     dtype = output_dtype(e.name, case.dtype)
-    e.bias = stats(result[e.name], oracle[e.name], dtype, reference[e.name]).to_dict()
+    e.bias = stats(result[e.name], harness.oracle[e.name], dtype,
+                   harness.reference[e.name]).to_dict()
     if dtype in JUDGED_DTYPES:
       judged[e.name] = BiasStats(**e.bias)
-  plain = score(case, evaluate_forward(impl, case), outputs=("out", "lse"))
+  plain = harness.score(evaluate_forward(impl, case), outputs=("out", "lse"))
   for e in plain:
     e.name = f"{e.name} (plain call)"
   _require(errors + plain, "implementation differs from the float64 oracle")
@@ -77,18 +92,18 @@ def matches_oracle(impl, case: Case):
   return errors + plain
 
 
-def matches_oracle_under_x64(impl, case: Case):
+def matches_oracle_under_x64(impl, case: Case, harness: Harness | None = None):
   """The same equivalence with jax_enable_x64 on (16/32-bit inputs): an
   implementation must not change what it computes when a caller enables x64."""
   with x64(True):
-    return matches_oracle(impl, case)
+    return matches_oracle(impl, case, harness)
 
 
 # --------------------------------------------------------------------------- #
 # Metamorphic properties: need no oracle for their truth; the oracle's
 # same-precision reference only sizes the rounding allowance.
 
-def key_permutation_invariance(impl, case: Case):
+def key_permutation_invariance(impl, case: Case, harness: Harness | None = None):
   """Permuting keys and values jointly (no causal, no window) changes nothing."""
   inputs = make_inputs(case)
   perm = np.random.default_rng(case.seed + 1).permutation(case.seq_len)
@@ -103,17 +118,17 @@ def key_permutation_invariance(impl, case: Case):
   inverse = np.argsort(perm)
   for name in ("dk", "dv"):
     moved[name] = moved[name][:, inverse]
-  return _require(score(case, moved, expected=base, slack=2.0),
+  return _require(_judging(harness, case).score(moved, expected=base, slack=2.0),
                   "permuting keys and values changed the result")
 
 
-def packed_equals_separate(impl, case: Case):
+def packed_equals_separate(impl, case: Case, harness: Harness | None = None):
   """A packed batch row equals each of its documents run alone. An
   implementation that takes only some lengths (ua_seq_len_multiple) runs a
   document alone padded to the next one, the padding a document of its own."""
+  bounds = _judging(harness, case).bounds
   inputs = make_inputs(case)
   packed = evaluate(impl, case, inputs)
-  _, bounds = baseline(case)
   seg = inputs["segment_ids"]
   errors = []
   for b in range(case.batch):
@@ -236,27 +251,39 @@ def _rows_unchanged(name: str, mask, dirty, clean) -> OutputError:
   return compare(name, sel(dirty), sel(clean), 0.0, 0.0)
 
 
-def _same_call(impl: Implementation, case: Case, other: Case, what: str, slack: float = 2.0):
-  return _require(score(case, evaluate(impl, other), expected=evaluate(impl, case),
-                        slack=slack), what)
+def _same_call(impl: Implementation, harness: Harness, other: Case, what: str,
+               slack: float = 2.0):
+  """``other`` evaluated equals the harness's case evaluated, on its bounds."""
+  return _require(harness.score(evaluate(impl, other), expected=evaluate(impl, harness.case),
+                                slack=slack), what)
 
 
-def zero_z_loss_is_no_z_loss(impl, case: Case):
+# The cases the properties below judge, derived from the drawn one: their registry
+# entries name them (Property.judged), so the verifier builds those cases' harnesses.
+without_z_loss = functools.partial(_replace, z_loss_weight=0.0)
+without_temperature = functools.partial(_replace, temperature="none")
+without_cap = functools.partial(_replace, cap_method="none", cap_params=())
+without_window = functools.partial(_replace, window_len=0)
+
+
+def zero_z_loss_is_no_z_loss(impl, case: Case, harness: Harness | None = None):
   """An explicit z_loss_weight=0.0 is bit-identical to not passing it."""
-  case = _replace(case, z_loss_weight=0.0)
+  case = without_z_loss(case)
+  harness = _judging(harness, case)
   explicit = evaluate(impl, case)
   omitted = evaluate(impl, case, omit=("z_loss_weight",))
-  return _require(score(case, omitted, expected=explicit, slack=0.0),
+  return _require(harness.score(omitted, expected=explicit, slack=0.0),
                   "z_loss_weight=0 differs from no z-loss")
 
 
-def unit_temperature_is_none(impl, case: Case):
+def unit_temperature_is_none(impl, case: Case, harness: Harness | None = None):
   """A temperature of ones equals no temperature."""
-  return _same_call(impl, _replace(case, temperature="none"), _replace(case, temperature="ones"),
+  return _same_call(impl, _judging(harness, without_temperature(case)),
+                    _replace(case, temperature="ones"),
                     "temperature of ones differs from temperature=None")
 
 
-def huge_tanh_cap_is_no_cap(impl, case: Case):
+def huge_tanh_cap_is_no_cap(impl, case: Case, harness: Harness | None = None):
   """A huge tanh cap equals no cap, up to the cap's own effect: c tanh(x / c) is
   within |x|^3 / (3 c^2) of x. The cap is 10^4 times the logits' scale (what
   caught the bfloat16 fast tanh, B16), raised where that effect, at the
@@ -266,12 +293,12 @@ def huge_tanh_cap_is_no_cap(impl, case: Case):
   allowed the remaining shift."""
   x, t = _largest_logit(case)
   cap = max(1e4 * logit_scale(case), math.sqrt(16.0 * t * x ** 3 / (3.0 * FLOOR[case.dtype])))
-  plain = _replace(case, cap_method="none", cap_params=())
+  harness = _judging(harness, without_cap(case))
   capped = _replace(case, cap_method="tanh", cap_params=(cap,))
-  expected, result = evaluate(impl, plain), evaluate(impl, capped)
-  errors = score(plain, result, expected=expected, slack=2.0)
+  expected, result = evaluate(impl, harness.case), evaluate(impl, capped)
+  errors = harness.score(result, expected=expected, slack=2.0)
   if result.get("lse") is not None and expected.get("lse") is not None:
-    ref_err, tol = baseline(plain)[1]["lse"]
+    ref_err, tol = harness.bounds["lse"]
     shift = t * x ** 3 / (3.0 * cap ** 2)
     errors = [compare("lse", result["lse"], expected["lse"], ref_err, 2.0 * tol + shift)
               if e.name == "lse" else e for e in errors]
@@ -287,14 +314,14 @@ def _largest_logit(case: Case) -> tuple[float, float]:
   return abs(spec.sm_scale) * norm(inputs["q"]) * norm(inputs["k"]), t
 
 
-def window_covering_sequence_is_no_window(impl, case: Case):
+def window_covering_sequence_is_no_window(impl, case: Case, harness: Harness | None = None):
   """A window at least as long as the sequence equals no window."""
-  return _same_call(impl, _replace(case, window_len=0),
+  return _same_call(impl, _judging(harness, without_window(case)),
                     _replace(case, window_len=case.seq_len + case.seed % 5),
                     "window_len >= T differs from no window")
 
 
-def gqa_equals_repeated_heads(impl, case: Case):
+def gqa_equals_repeated_heads(impl, case: Case, harness: Harness | None = None):
   """GQA equals MHA on K/V heads repeated G times; dk/dv are the group sums."""
   g = case.num_q_heads // case.num_kv_heads
   inputs = make_inputs(case)
@@ -308,8 +335,9 @@ def gqa_equals_repeated_heads(impl, case: Case):
     mha[name] = x.reshape(x.shape[:2] + (case.num_kv_heads, g) + x.shape[3:]).sum(axis=3)
   gqa = evaluate(impl, case, inputs)
   # Group sums add up to G rounded terms: allow G + 1 tolerances for dk/dv.
-  errors = score(case, mha, expected=gqa, slack=2.0, outputs=("out", "lse", "dq"))
-  errors += score(case, mha, expected=gqa, slack=g + 1.0, outputs=("dk", "dv"))
+  harness = _judging(harness, case)
+  errors = harness.score(mha, expected=gqa, slack=2.0, outputs=("out", "lse", "dq"))
+  errors += harness.score(mha, expected=gqa, slack=g + 1.0, outputs=("dk", "dv"))
   return _require(errors, "GQA differs from MHA with repeated kv heads")
 
 
@@ -328,7 +356,7 @@ def deterministic(impl, case: Case):
 # --------------------------------------------------------------------------- #
 # A sharded op against the same op on one device.
 
-def sharded_equals_unsharded(impl, case: Case):
+def sharded_equals_unsharded(impl, case: Case, harness: Harness | None = None):
   """A sharded op (one that declares ``ua_unsharded``) equals its single-device
   counterpart on the same inputs, outputs and gradients, within two of the
   case's tolerances, as the other metamorphic properties: a failure then points
@@ -349,7 +377,7 @@ def sharded_equals_unsharded(impl, case: Case):
   except Exception as exc:  # noqa: BLE001 -- re-raised as the harness's
     raise HarnessError(f"the single-device counterpart {impl.unsharded} could not evaluate "
                        f"the case: {type(exc).__name__}: {exc}") from exc
-  return _require(score(case, sharded, expected=expected, slack=2.0),
+  return _require(_judging(harness, case).score(sharded, expected=expected, slack=2.0),
                   f"{impl.name} differs from {single.name}")
 
 

@@ -9,11 +9,13 @@ refuses a check that returns no comparison).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Callable
 
 from ua_reference.caps import CAP_METHODS
 
 from . import checks, mask_check
+from ..judge.runner import Harness
 from ..model.case import Case
 
 
@@ -21,12 +23,22 @@ def _always(case: Case) -> bool:
   return True
 
 
+def _itself(case: Case) -> Case:
+  return case
+
+
 @dataclasses.dataclass(frozen=True)
 class Property:
   """One property: ``check(impl, case)``, the features a case must have
   (``require``), must not have (``forbid``) and of which it must have at least
   one (``any_of``), when it applies beyond those (``applies``), its example
-  budget in the ci profile, and whether it runs as one test per dtype."""
+  budget in the ci profile, and whether it runs as one test per dtype.
+
+  A check that scores against the oracle takes a third parameter,
+  ``harness=None``: the verifier builds the Harness of the case it judges
+  (``judged``), once, and passes it; called without one, the check builds its
+  own. A check of the plain ``(impl, case)`` form gets none, and the verifier
+  builds none for it (docs/PLUGINS.md, "The property registry")."""
 
   name: str
   check: Callable
@@ -39,15 +51,27 @@ class Property:
   oracle: bool = False  # compares with the float64 oracle (counts as an oracle case)
   x64: bool = False  # calls the implementation with jax_enable_x64 on
   uses_cap_method: str | None = None  # a cap method the check itself calls with
-  # Whether the verifier computes the oracle's baseline first (the check scores
-  # against it); a check with inputs of its own skips that cost.
-  baseline: bool = True
+  # The case whose harness the check scores against: the drawn case, or one it
+  # derives (huge_tanh_cap_is_no_cap scores against its no-cap case).
+  judged: Callable[[Case], Case] = _itself
   # Whether a case's input seed changes what the check sees, so that further
   # seeds of one compiled configuration are further evidence, not repeats.
   seed_matters: Callable[[Case], bool] = _always
   # Whether it compares the implementation with its declared single-device
   # counterpart (ua_unsharded), which only a sharded op declares.
   needs_unsharded: bool = False
+
+  @property
+  def takes_harness(self) -> bool:
+    """Whether the check takes a ``harness``: only then is one built for it, so
+    a check with inputs of its own, or an exact comparison, skips that cost."""
+    return "harness" in inspect.signature(self.check).parameters
+
+  def run(self, impl, case: Case, harness: Harness | None = None):
+    """The check on ``case``, handed ``harness`` (``judged(case)``'s) if it takes one."""
+    if harness is not None and self.takes_harness:
+      return self.check(impl, case, harness=harness)
+    return self.check(impl, case)
 
   def unsupported_by(self, impl, dtype: str | None = None) -> str | None:
     """Why ``impl`` (with its declarations) cannot run this property, or None.
@@ -107,17 +131,19 @@ PROPERTIES = (
     Property("packed_equals_separate", checks.packed_equals_separate, 4,
              require=frozenset({"segment_ids"}), applies=_contiguous_documents),
     # Clean against poisoned runs of the implementation, compared exactly: no oracle.
-    Property("hidden_keys_do_not_leak", checks.hidden_keys_do_not_leak, 5, baseline=False,
+    Property("hidden_keys_do_not_leak", checks.hidden_keys_do_not_leak, 5,
              any_of=frozenset({"causal", "window", "segment_ids"}), applies=_hides_a_key),
-    Property("mask_is_exact", mask_check.mask_is_exact, 4, baseline=False,
+    Property("mask_is_exact", mask_check.mask_is_exact, 4,
              applies=_mask_affordable, seed_matters=_has_documents),
-    Property("zero_z_loss_is_no_z_loss", checks.zero_z_loss_is_no_z_loss, 3),
+    Property("zero_z_loss_is_no_z_loss", checks.zero_z_loss_is_no_z_loss, 3,
+             judged=checks.without_z_loss),
     Property("unit_temperature_is_none", checks.unit_temperature_is_none, 3,
-             require=frozenset({"temperature"})),
+             require=frozenset({"temperature"}), judged=checks.without_temperature),
     Property("huge_tanh_cap_is_no_cap", checks.huge_tanh_cap_is_no_cap, 3,
-             require=frozenset({"cap"}), uses_cap_method="tanh"),
+             require=frozenset({"cap"}), uses_cap_method="tanh", judged=checks.without_cap),
     Property("window_covering_sequence_is_no_window",
-             checks.window_covering_sequence_is_no_window, 3, require=frozenset({"window"})),
+             checks.window_covering_sequence_is_no_window, 3, require=frozenset({"window"}),
+             judged=checks.without_window),
     Property("gqa_equals_repeated_heads", checks.gqa_equals_repeated_heads, 4,
              require=frozenset({"gqa"})),
     Property("deterministic", checks.deterministic, 3),

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ..model.capabilities import load_impl
-from .runner import baseline, evaluate, score
+from .runner import Harness, evaluate
 from ..model.profiles import BUCKETS
 from ..model.strategies import cases
 from .tolerance import ALPHA, FLOOR
@@ -38,7 +38,7 @@ def collect(impl, n: int, buckets, seed: int, log=print):
     case = data.draw(cases(buckets, impl))
     case = dataclasses.replace(case, seed=case.seed ^ seed)
     result = evaluate(impl, case)
-    for e in score(case, result):
+    for e in Harness.of(case).score(result):
       records.append({"dtype": case.dtype, "output": e.name, "err": e.max_abs_err,
                       "ref_err": e.ref_err, "ratio": e.ratio, "err_at_worst": e.error,
                       "tol_at_worst": e.tolerance,
@@ -62,7 +62,7 @@ def add_floors(records) -> None:
     case = Case.from_dict(r["case"])
     if case not in cache:
       cache[case] = {name: float(np.max(floor)) for name, (_, floor)
-                     in baseline(case)[1].items()}
+                     in Harness.of(case).bounds.items()}
     r["floor"] = cache[case][r["output"]]
 
 

@@ -20,7 +20,6 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import threading
 
 import jax
@@ -235,7 +234,7 @@ def prepare(impl: Implementation, case: Case) -> None:
   """Compiles what an oracle check of ``case`` calls, the implementation's VJP
   and plain call beside the oracle and the reference, on ``compile_threads``
   threads at once; each in this thread's x64 mode, the harness's under x64 as
-  _harness runs them. The implementation's two also run once there: a Mosaic
+  Harness.of runs them. The implementation's two also run once there: a Mosaic
   GPU kernel is built when its executable first runs, which JAX's persistent
   cache does not keep. A compile that fails is left for the check itself to
   meet again, and to report as its own or the harness's failure."""
@@ -279,60 +278,54 @@ def prepare(impl: Implementation, case: Case) -> None:
       future.result()
 
 
-def baseline(case: Case):
-  """Oracle results, and per output (the reference's error, the tolerance of
-  every element).
+@dataclasses.dataclass(frozen=True, eq=False)
+class Harness:
+  """What one case is judged against: the float64 oracle's outputs, the
+  same-precision reference's, and per output its bound (the reference's error,
+  every element's tolerance) and floors (tolerance.floors, before the
+  reference's factor). Built once per judged case (``Harness.of``) and handed to
+  what scores it: its float64 arrays are GiBs at T = 16k, so it lives as long
+  as its judgement holds it, and no cache keeps it or computes it twice."""
 
-  Raises HarnessError when either cannot be computed.
-  """
-  oracle, _, bounds, _ = _harness(case)
-  return oracle, bounds
+  case: Case
+  oracle: dict
+  reference: dict
+  bounds: dict  # output -> (the reference's error, every element's tolerance)
+  floors: dict
 
+  @classmethod
+  def of(cls, case: Case) -> Harness:
+    """The oracle, the reference and the floors evaluated on ``case``.
 
-def floors_of(case: Case) -> dict:
-  """The per-element floors of the case's outputs (tolerance.floors), before
-  the reference's factor."""
-  return _harness(case)[3]
+    Raises HarnessError when any of them cannot be computed.
+    """
+    inputs = make_inputs(case)
+    try:
+      with x64(True):
+        oracle, lse = _reference(case, inputs, float64=True)
+      with x64(reference_x64(False)):
+        reference, _ = _reference(case, inputs, float64=False)
+      with x64(True):
+        floor = floors(case, inputs, oracle, lse)
+    except Exception as exc:  # noqa: BLE001 -- whatever it is, it is the harness's
+      raise HarnessError(f"the oracle/reference/floors failed on this case: "
+                         f"{type(exc).__name__}: {str(exc)[:2000]}") from exc
+    bounds = {name: element_tolerance(name, reference[name], oracle[name], floor[name])
+              for name in OUTPUTS if oracle.get(name) is not None}
+    return cls(case, oracle, reference, bounds, floor)
 
+  def score(self, result: dict, *, slack: float = 1.0, expected: dict | None = None,
+            outputs=OUTPUTS) -> list[OutputError]:
+    """Errors of ``result`` against the oracle (or ``expected``), per output.
 
-def reference_result(case: Case) -> dict:
-  """The same-precision reference's outputs on the case (computed with the
-  baseline, not again)."""
-  return _harness(case)[1]
-
-
-@functools.lru_cache(maxsize=4)  # float64 results of T=16k cases are GiBs
-def _harness(case: Case):
-  """(oracle, same-precision reference, bounds, floors) of baseline."""
-  inputs = make_inputs(case)
-  try:
-    with x64(True):
-      oracle, lse = _reference(case, inputs, float64=True)
-    with x64(reference_x64(False)):
-      ref, _ = _reference(case, inputs, float64=False)
-    with x64(True):
-      floor = floors(case, inputs, oracle, lse)
-  except Exception as exc:  # noqa: BLE001 -- whatever it is, it is the harness's
-    raise HarnessError(f"the oracle/reference/floors failed on this case: "
-                       f"{type(exc).__name__}: {str(exc)[:2000]}") from exc
-  bounds = {name: element_tolerance(name, ref[name], oracle[name], floor[name])
-            for name in OUTPUTS if oracle.get(name) is not None}
-  return oracle, ref, bounds, floor
-
-
-def score(case: Case, result: dict, *, slack: float = 1.0, expected: dict | None = None,
-          outputs=OUTPUTS) -> list[OutputError]:
-  """Errors of ``result`` against the oracle (or ``expected``), per output.
-
-  The bound always scales with the same-precision reference's error on this
-  case, so metamorphic comparisons share the equivalence test's model.
-  """
-  oracle, bounds = baseline(case)
-  expected = oracle if expected is None else expected
-  errors = []
-  for name in outputs:
-    if result.get(name) is None or expected.get(name) is None or name not in bounds:
-      continue
-    ref_err, tol = bounds[name]
-    errors.append(compare(name, result[name], expected[name], ref_err, tol, slack=slack))
-  return errors
+    The bound always scales with the same-precision reference's error on this
+    case, so metamorphic comparisons share the equivalence test's model.
+    """
+    expected = self.oracle if expected is None else expected
+    errors = []
+    for name in outputs:
+      if result.get(name) is None or expected.get(name) is None or name not in self.bounds:
+        continue
+      ref_err, tol = self.bounds[name]
+      errors.append(compare(name, result[name], expected[name], ref_err, tol, slack=slack))
+    return errors

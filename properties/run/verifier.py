@@ -7,8 +7,11 @@ behind, and the plugin reports it as a failure with its replay command
 seconds the same way, after marking its file ``timeout``. A case that passes
 removes its file; one that fails keeps it with its errors.
 
-An error raised by the oracle or the reference is a harness error: recorded
-and reported as such, never as a failure of the implementation.
+The harness of the case a property judges (the oracle's and the reference's
+outputs, the bounds: runner.Harness) is built here once, timed apart from
+the implementation's part, and handed to the check. An error raised by the
+oracle or the reference is a harness error: recorded and reported as such,
+never as a failure of the implementation.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from ..model.capabilities import Implementation
 from ..model.case import Case, write_case_file
 from .compile_clock import clock, persistent_cache_on
 from ..checks.registry import Property
-from ..judge.runner import HarnessError, baseline, prepare, x64
+from ..judge.runner import Harness, HarnessError, prepare, x64
 from ..judge.tolerance import OutputError
 
 # Characters of a failure's message kept in its record: the exception and the
@@ -153,11 +156,12 @@ class Verifier:
       if prop.oracle:
         with x64(prop.x64):
           prepare(self.impl, case)  # every executable the check calls, compiled at once
-      if prop.baseline:
+      harness = None
+      if prop.takes_harness:  # built once, timed apart from the implementation's part
         harness_start = time.perf_counter()
-        baseline(case)  # the harness's part, before the implementation's clock starts
+        harness = Harness.of(prop.judged(case))
         harness_seconds = time.perf_counter() - harness_start
-      errors = prop.check(self.impl, case)
+      errors = prop.run(self.impl, case, harness)
       if not errors:
         raise AssertionError(f"{prop.name} compared nothing on this case")
     except HarnessError as exc:
