@@ -29,3 +29,21 @@ def test_cases_that_name_nothing_are_refused(capsys):
   with pytest.raises(SystemExit):
     bench.main(["--set", "targets", "--cases", "T999"])
   assert "--cases 'T999' names none" in capsys.readouterr().err
+
+
+def test_ua_bench_launches_the_checkouts_harness_and_refuses_elsewhere(tmp_path, monkeypatch,
+                                                                     capsys):
+  """benchmarks/ is not installed; ua-bench runs it from a source checkout and
+  says so anywhere else."""
+  import pathlib
+  import sys
+
+  from ua_kernels import checkout_tools
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(SystemExit, match="source checkout"):
+    checkout_tools.bench_main()
+  monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)
+  monkeypatch.setattr(sys, "argv", ["ua-bench", "--help"])
+  with pytest.raises(SystemExit) as exit_:
+    checkout_tools.bench_main()
+  assert exit_.value.code == 0 and "--set" in capsys.readouterr().out
