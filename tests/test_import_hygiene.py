@@ -159,3 +159,13 @@ def test_kernels_use_the_contract_not_the_oracle_and_no_backend_uses_the_other()
         if module.startswith(f"ua_kernels.{one}") and other.startswith(f"ua_kernels.{two}"):
           wrong.append(f"{module} imports {other}")
   assert not wrong, wrong
+
+
+def test_no_module_of_the_kernels_is_over_600_lines():
+  """A kernel file holds one kernel family (JAX's Pallas ops: one file per
+  kernel); the Mosaic backward's dq and dk/dv kernels are files of their own."""
+  import ua_kernels
+  kernels = pathlib.Path(ua_kernels.__file__).parent
+  long = {str(p.relative_to(kernels.parent)): n for p in kernels.rglob("*.py")
+          if (n := len(p.read_text().splitlines())) > 600}
+  assert not long, long

@@ -212,7 +212,7 @@ def _far_apart_tiles():
   tiles' |ds| reach 2^16, past float16's range) and differ by a small part of
   opposite sign between the two halves (the other half's logits 60 lower:
   |ds| near 2^-72 there, still normal in float32). Every float16 dq and dk row
-  is then rescaled in place (mosaic.backward._accumulate) by 2^57 to 2^65, up
+  is then rescaled in place (mosaic.backward_parts._accumulate) by 2^57 to 2^65, up
   in the first half's rows and keys, down in the second's."""
   b, t, h, d = 1, 256, 2, 64
   rng = np.random.default_rng(3)

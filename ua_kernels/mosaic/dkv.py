@@ -1,0 +1,209 @@
+"""The Mosaic backward's dk/dv kernels (ua_kernels.mosaic.backward): a program
+owns key rows and streams the queries of its GQA group."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from . import common
+from .common import (RingCopy, load_vector, own_tiles, position_tiles, program_spans,
+                     program_tiles, ring_slot, tile_logits, tile_span)
+from ..tile_math import (dither_bits, logits_grad, matmul_operand, probabilities, q_tiles,
+                         range_scaled, tile_loop, to_operand, unbiased_roundings)
+from .backward_parts import (BackwardParams, _accumulate, _gradient, _load_halves, _own_parts,
+                             _query_rows, _ring_columns, _run_halves, _scores_pair, _store_halves,
+                             _zero_gradient)
+
+
+class _QueryRing(NamedTuple):
+  """The dk/dv kernels' ring of streamed Q, dO and per-query rows tiles, over
+  steps [first, last): step n is query tile n // group of query head
+  kv_head * group + n % group."""
+  first: Any
+  last: Any
+  q_smem: Any
+  do_smem: Any
+  rows_smem: Any
+  q_loaded: Any
+  do_loaded: Any
+  rows_loaded: Any
+  q_free: Any
+
+
+def _stream_queries(p: BackwardParams, ring: _QueryRing, q_ref, do_ref, rows_ref, bi,
+                    kv_head):
+  """The dk/dv kernels' memory warpgroup: steps [first, last) into the ring."""
+  bq, group = p.shape.block_q, p.group
+
+  def locate(n):
+    qb = lax.div(n, jnp.int32(group))
+    h = kv_head * group + lax.rem(n, jnp.int32(group))
+    return qb, h, (bi, pl.ds(qb * bq, bq), h)
+
+  common.producer_ring(ring.first, ring.last, p.shape.stages, locate, [
+      (ring.q_free, [
+          RingCopy(lambda where: q_ref.at[where[2]], ring.q_smem, ring.q_loaded),
+          RingCopy(lambda where: do_ref.at[where[2]], ring.do_smem, ring.do_loaded),
+          RingCopy(lambda where: rows_ref.at[bi, where[1], :, pl.ds(where[0] * bq, bq)],
+                   ring.rows_smem, ring.rows_loaded)])])
+
+
+def _dkv_step(p: BackwardParams, ring: _QueryRing, k_own, v_own, part, seg_ref, bi, k_start,
+              qb, g, carry, masked):
+  """One step of a dk/dv warpgroup (query tile ``qb`` of the group's query
+  head ``g``): sT = K Q^T and dpT = V dO^T, then dv += pT dO and dk += dsT Q,
+  over the whole head dim (``part`` None) or the gradients' column half
+  ``part`` (``k_own``/``v_own`` then hold both halves)."""
+  plgpu = common.plgpu()
+  shape = p.shape
+  dk, dv = carry
+  s = ring_slot(qb * p.group + g, ring.first, shape.stages)
+  q_start = qb * shape.block_q
+  plgpu.barrier_wait(ring.q_loaded.at[s])
+  plgpu.barrier_wait(ring.do_loaded.at[s])
+  scores_t, dp_t = _scores_pair(_own_parts(k_own, part), ring.q_smem, _own_parts(v_own, part),
+                                ring.do_smem, s, (shape.block_kv, shape.block_q), shape.half)
+  plgpu.barrier_wait(ring.rows_loaded.at[s])
+  shift_q, delta_q, temp_q = _query_rows(
+      p, lambda i: load_vector(ring.rows_smem.at[s, i], plgpu.Layout.WGMMA.reduce(0)))
+  logits = tile_logits(p.spec, scores_t, temp_q, q_start, k_start, masked=masked,
+                       seg_ref=seg_ref, batch=bi, padded=p.padded, fast_cap=p.fast_cap,
+                       query_axis=1)
+  p_t = probabilities(logits, shift_q)
+  unbiased_p, unbiased_ds = unbiased_roundings(p.spec, shape.dtype)
+  grid = (position_tiles(p_t.shape, q_start, k_start, 1) if unbiased_p or unbiased_ds
+          else None)
+  dv = _accumulate(dv, to_operand(p_t, shape.dtype,
+                                  dither_bits(*grid, 0) if unbiased_p else None),
+                   _ring_columns(ring.do_smem, s, part, shape.half), None)
+  ds_t = logits_grad(p.spec, p_t, dp_t, delta_q, logits, temp_q, p.fast_cap)
+  ds16, exponent = matmul_operand(ds_t, shape.dtype, axis=1,
+                                  bits=dither_bits(*grid, 1) if unbiased_ds else None)
+  dk = _accumulate(dk, ds16, _ring_columns(ring.q_smem, s, part, shape.half), exponent)
+  plgpu.barrier_arrive(ring.q_free.at[s])
+  return dk, dv
+
+
+def _group_steps(p: BackwardParams, step):
+  """tile_loop's visit of a query tile: ``step(qb, g, carry, masked)`` for
+  every query head g of the group."""
+  def query_tile(qb, carry, masked):
+    return lax.fori_loop(0, p.group, lambda g, c: step(qb, g, c, masked), carry)
+  return query_tile
+
+
+def dkv_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref,
+               dk_ref, dv_ref, k_smem2, v_smem2, q_smem, do_smem, rows_smem,
+               k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free):
+  """dk/dv: a program owns 2 * block_kv keys of one kv head, each compute
+  warpgroup one tile of block_kv; the memory warpgroup streams the query
+  tiles of the hull of their ranges, for every query head of the group."""
+  plgpu = common.plgpu()
+  bq, bkv, group = p.shape.block_q, p.shape.block_kv, p.group
+  bi = lax.axis_index("batch")
+  kv_head = lax.axis_index("heads")
+  tile = lax.axis_index("kv_tiles")
+  wg = lax.axis_index("wg")
+  hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
+  cta_lo, cta_hi = program_tiles(q_tiles(
+      p.spec_padded, tile * 2 * bkv, bq, 2 * bkv, p.padded, hull))
+  first, last = cta_lo * group, cta_hi * group
+  ring = _QueryRing(first, last, q_smem, do_smem, rows_smem, q_loaded, do_loaded,
+                    rows_loaded, q_free)
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+    k_start = tile * 2 * bkv + wg * bkv
+    own = (bi, pl.ds(k_start, bkv), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem, k_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem, v_loaded.at[wg])
+    plgpu.barrier_wait(k_loaded.at[wg])
+    plgpu.barrier_wait(v_loaded.at[wg])
+
+    def drain(n, carry):
+      s = ring_slot(n, first, p.shape.stages)
+      plgpu.barrier_wait(q_loaded.at[s])
+      plgpu.barrier_wait(do_loaded.at[s])
+      plgpu.barrier_wait(rows_loaded.at[s])
+      plgpu.barrier_arrive(q_free.at[s])
+      return carry
+
+    def step(qb, g, carry, masked):
+      return _dkv_step(p, ring, k_smem, v_smem, None, seg_ref, bi, k_start, qb, g, carry,
+                       masked)
+
+    zeros = (_zero_gradient(bkv, p.shape.head_dim, range_scaled(p.shape.dtype)),
+             _zero_gradient(bkv, p.shape.head_dim))
+    tiles = own_tiles(q_tiles(
+        p.spec_padded, k_start, bq, bkv, p.padded,
+        own_span, own_uniform), cta_lo, cta_hi)
+    carry = lax.fori_loop(first, tiles.lo * group, drain, zeros)
+    carry = tile_loop(tiles, _group_steps(p, step), carry)
+    dk, dv = lax.fori_loop(tiles.hi * group, last, drain, carry)
+    # K's and V's buffers hold dk, dv on their way out.
+    k_smem[...] = _gradient(dk).astype(p.shape.dtype)
+    v_smem[...] = dv.astype(p.shape.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[own])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[own])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _memory():
+    _stream_queries(p, ring, q_ref, do_ref, rows_ref, bi, kv_head)
+
+
+def dkv_halves_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref,
+                      spans_ref, dk_ref, dv_ref, k_halves, v_halves, q_smem, do_smem,
+                      rows_smem, kv_loaded, q_loaded, do_loaded, rows_loaded, q_free,
+                      computed):
+  """dk/dv at head dims above 128: a program owns block_kv keys, and each
+  compute warpgroup accumulates one half of dk's and dv's columns (128 each),
+  since a warpgroup's whole dk and dv of 64 keys would take 256 registers per
+  thread. Both compute the scores and dp over the whole head dim: 3 tile
+  matmuls of 64 x 256 per warpgroup and step where the split by keys does 2.
+  K and V sit in shared memory as two column halves, so that each
+  warpgroup's dk and dv go out from a contiguous buffer."""
+  plgpu = common.plgpu()
+  bq, bkv, group = p.shape.block_q, p.shape.block_kv, p.group
+  bi = lax.axis_index("batch")
+  kv_head = lax.axis_index("heads")
+  tile = lax.axis_index("kv_tiles")
+  wg = lax.axis_index("wg")
+  k_start = tile * bkv
+  tiles = q_tiles(p.spec_padded, k_start, bq, bkv, p.padded,
+                  *tile_span(spans_ref, bi, tile))
+  lo, hi = program_tiles(tiles)
+  tiles = own_tiles(tiles, lo, hi)
+  ring = _QueryRing(lo * group, hi * group, q_smem, do_smem, rows_smem, q_loaded, do_loaded,
+                    rows_loaded, q_free)
+  own = (bi, pl.ds(k_start, bkv), kv_head)
+
+  def compute(part):
+    if part == 0:  # one warpgroup loads the shared K and V halves
+      _load_halves((k_ref, v_ref), (k_halves, v_halves), own, kv_loaded, p.shape.half)
+    for i in range(4):
+      plgpu.barrier_wait(kv_loaded.at[i])
+
+    def step(qb, g, carry, masked):
+      return _dkv_step(p, ring, k_halves, v_halves, part, seg_ref, bi, k_start, qb, g, carry,
+                       masked)
+
+    dk, dv = tile_loop(tiles, _group_steps(p, step),
+                       (_zero_gradient(bkv, p.shape.half, range_scaled(p.shape.dtype)),
+                        _zero_gradient(bkv, p.shape.half)))
+    _store_halves(p, part, computed,
+                  [(k_halves, dk_ref, _gradient(dk)), (v_halves, dv_ref, dv)], own)
+
+  _run_halves(wg, compute, lambda: _stream_queries(p, ring, q_ref, do_ref, rows_ref, bi,
+                                                   kv_head))
+
+
+# --- the call ---------------------------------------------------------------------------
+
