@@ -89,19 +89,18 @@ def redis_client(option: str, url: str):
     raise DatabaseOptionError(f"{option} {url}: malformed Redis URL ({exc})") from None
 
 
-def check_option(option: str, value: str | None, connect: bool = True) -> None:
+def check_option(option: str, value: str | None) -> None:
   """Checks an option's value before anything runs: a Redis URL must parse,
-  the redis package import and (``connect``) the server answer PING."""
+  the redis package import and the server answer PING."""
   if not is_url(value):
     return
   client = redis_client(option, value)
-  if connect:
-    import redis
-    try:
-      client.ping()
-    except redis.RedisError as exc:
-      raise DatabaseOptionError(f"{option} {value}: the Redis server does not answer "
-                                f"({type(exc).__name__}: {exc})") from None
+  import redis
+  try:
+    client.ping()
+  except redis.RedisError as exc:
+    raise DatabaseOptionError(f"{option} {value}: the Redis server does not answer "
+                              f"({type(exc).__name__}: {exc})") from None
 
 
 def example_database(test_id: str, impl: str, database: str | None, shared: str | None,
