@@ -29,7 +29,7 @@ BAD = {
                   TypeError, "floating dtype"),
     "dtype mismatch": ((q, k.astype(jnp.bfloat16), v), {}, TypeError, "share one dtype"),
     "k/v shape": ((q, k, v[:, :, :1]), {}, ValueError, "k and v must have the same shape"),
-    "seq mismatch": ((q, k[:, :4], v[:, :4]), {}, ValueError, "k/v must have shape"),
+    "batch mismatch": ((q, k[:1], v[:1]), {}, ValueError, "k/v must have shape"),
     "head dim": ((q, k[..., :8], v[..., :8]), {}, ValueError, "head dim mismatch"),
     "heads not divisible": ((q, *_qkv(hkv=3)[1:]), {}, ValueError, "divisible"),
     "unknown cap": ((q, k, v), {"cap_method": "nope"}, ValueError, "unknown cap_method"),
@@ -80,6 +80,50 @@ BAD = {
     "inf sm_scale": ((q, k, v), {"sm_scale": float("inf")}, ValueError, "sm_scale must be finite"),
     "return_lse not bool": ((q, k, v), {"return_lse": "yes"}, TypeError, "return_lse"),
 }
+
+
+# The arguments of queries and keys of different lengths, offsets and sinks
+# (docs/SEMANTICS.md), which the reference takes.
+SEG = jnp.zeros((B, T), jnp.int32)
+BAD_REFERENCE = {
+    "kv segments without segments": ((q, k, v), {"kv_segment_ids": SEG}, ValueError,
+                                     "kv_segment_ids needs segment_ids"),
+    "Tq != Tk segments without kv": ((q, k[:, :4], v[:, :4]), {"segment_ids": SEG}, ValueError,
+                                     "need kv_segment_ids"),
+    "kv segment shape": ((q, k[:, :4], v[:, :4]), {"segment_ids": SEG, "kv_segment_ids": SEG},
+                         ValueError, r"kv_segment_ids must have shape \[B, Tk\]"),
+    "kv segment dtype": ((q, k, v), {"segment_ids": SEG, "kv_segment_ids": SEG * 1.0},
+                         TypeError, "kv_segment_ids must have an integer dtype"),
+    "float q_offset": ((q, k, v), {"q_offset": 1.0}, TypeError, "q_offset must be an int"),
+    "bool q_offset": ((q, k, v), {"q_offset": True}, TypeError, "q_offset must be an int"),
+    "q_offset of a float array": ((q, k, v), {"q_offset": jnp.float32(1)}, TypeError,
+                                  "q_offset must be an int"),
+    "q_offset not a scalar": ((q, k, v), {"q_offset": jnp.zeros((2,), jnp.int32)}, ValueError,
+                              "q_offset must be a scalar"),
+    "q_offset past 2^30": ((q, k, v), {"q_offset": 1 << 31}, ValueError, "within"),
+    "sinks shape": ((q, k, v), {"sinks": jnp.zeros((H + 1,))}, ValueError,
+                    r"sinks must have shape \[Hq\]"),
+    "sinks dtype": ((q, k, v), {"sinks": jnp.zeros((H,), jnp.int32)}, TypeError,
+                    "sinks must have a floating dtype"),
+    "sinks not an array": ((q, k, v), {"sinks": [0.0] * H}, TypeError, "sinks must be an array"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_REFERENCE))
+def test_bad_input_of_the_new_arguments_raises(name):
+  args, kwargs, error, message = BAD_REFERENCE[name]
+  with pytest.raises(error, match=message):
+    ua_reference.attention(*args, **kwargs)
+
+
+def test_kernels_refuse_keys_of_another_length_and_the_arguments_they_lack():
+  """The kernels take equal lengths and no offsets or sinks yet: a clear error,
+  never a silent wrong answer."""
+  with pytest.raises(ValueError, match=r"k/v must have shape \[B=2, T=8"):
+    ua_kernels.attention(q, k[:, :4], v[:, :4])
+  for name, value in (("q_offset", 0), ("sinks", jnp.zeros((H,))), ("kv_segment_ids", SEG)):
+    with pytest.raises(TypeError, match=name):
+      ua_kernels.attention(q, k, v, **{name: value})
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))

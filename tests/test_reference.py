@@ -193,7 +193,7 @@ def test_query_row_blocks_compute_the_same_function(t, monkeypatch):
   whole = run()
   monkeypatch.setattr(reference, "MAX_LOGITS", 2 * 4 * t * 3)  # 3 query rows per block
   assert reference.rows_per_block(
-      reference.validate(*(np.zeros((2, t, h, 5)) for h in (4, 2, 2)))[0]) == 3
+      ua_reference.validate(*(np.zeros((2, t, h, 5)) for h in (4, 2, 2)))[0]) == 3
   blocked = run()
   for a, b in zip(whole, blocked):
     np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-12)

@@ -3,8 +3,9 @@ pure-jnp reference (the oracle). It depends on nothing of this project's:
 implementations import it, the verification suite judges them by it."""
 
 from .caps import CAP_METHODS, CapMethod, get_cap_method, register_cap_method
-from .contract import StaticSpec, validate
+from .contract import StaticSpec, Validated, validate, validate_call
 from .reference import attention, visible_keys, with_z_loss_gradient
 
-__all__ = ["attention", "visible_keys", "with_z_loss_gradient", "validate", "StaticSpec",
+__all__ = ["attention", "visible_keys", "with_z_loss_gradient", "validate", "validate_call",
+           "Validated", "StaticSpec",
            "CAP_METHODS", "CapMethod", "get_cap_method", "register_cap_method"]
