@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ua_reference.contract import StaticSpec, validate
+from ua_reference.contract import StaticSpec, validate, validate_call
 
 from . import cap_forms
 from .kernel_config import KernelConfig
@@ -174,24 +174,38 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 _jitted_attention = jax.jit(_attention, static_argnums=(0, 1, 2))
 
 
-def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
-              cap_method="none", cap_params=(), temperature=None, sm_scale=None,
-              z_loss_weight=0.0, return_lse=False, config: KernelConfig | None = None):
+def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, sinks=None,
+              causal=False, window_len=0, cap_method="none", cap_params=(), temperature=None,
+              sm_scale=None, z_loss_weight=0.0, return_lse=False,
+              config: KernelConfig | None = None):
   """Unified attention through the Pallas kernels; see docs/SEMANTICS.md."""
-  spec, segment_ids, temperature = validate(
-      q, k, v, segment_ids=segment_ids, causal=causal, window_len=window_len,
-      cap_method=cap_method, cap_params=cap_params, temperature=temperature,
-      sm_scale=sm_scale, z_loss_weight=z_loss_weight, return_lse=return_lse)
+  call = validate_call(
+      q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+      sinks=sinks, causal=causal, window_len=window_len, cap_method=cap_method,
+      cap_params=cap_params, temperature=temperature, sm_scale=sm_scale,
+      z_loss_weight=z_loss_weight, return_lse=return_lse)
   if q.dtype not in SUPPORTED_DTYPES:
     raise TypeError(f"ua_kernels.attention supports q/k/v dtypes float32, bfloat16 "
                     f"and float16, got {q.dtype}")
+  if call.sinks is not None:
+    raise NotImplementedError("ua_kernels.attention does not take sinks yet; "
+                              "ua_reference.attention does (docs/SEMANTICS.md)")
+  spec, temperature = call.spec, call.temperature
   if temperature is not None:
     temperature = temperature.astype(jnp.float32)
+  keys = None
+  if spec.kv_seq_len != spec.seq_len or spec.q_offset != 0 or kv_segment_ids is not None:
+    # Keys of their own length, offset or segments: the key-block path of the
+    # Triton kernels, the offset traced (one compile for every offset).
+    keys = KeyBlock(None if kv_segment_ids is None else call.kv_segment_ids,
+                    jnp.asarray(call.q_offset, jnp.int32))
+    spec = dataclasses.replace(spec, q_offset=None)
   # Unset fields take the tuned table's values before jit: the effective
   # config keys the compilation, whichever backend the call forces.
   config = effective_config(spec, q.dtype, config)
-  backends = backends_for(spec, config, q.dtype)
-  out, lse = _jitted_attention(spec, config, backends, q, k, v, segment_ids, temperature)
+  backends = backends_for(spec, config, q.dtype, block_keys=keys is not None)
+  out, lse = _jitted_attention(spec, config, backends, q, k, v, call.segment_ids, temperature,
+                               keys)
   return (out, lse) if return_lse else out
 
 
