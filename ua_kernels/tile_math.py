@@ -184,9 +184,9 @@ def fixed_shift(spec: StaticSpec, dtype, has_temperature: bool) -> float | None:
   from every key tile. Only where that is exact in range: no temperature (it
   would scale the bounds per row), a span of at most FIXED_SHIFT_MAX_SPAN, and
   bfloat16 or float32 inputs (the probabilities are cast to the input dtype for
-  the p @ v product; float16 cannot hold 2^50).
+  the p @ v product; float16 cannot hold 2^50). A sink is not capped: none.
   """
-  if (spec.cap.bounds is None or has_temperature
+  if (spec.cap.bounds is None or has_temperature or spec.has_sinks
       or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))):
     return None
   _, scale, params = _cap_fold(spec)

@@ -163,8 +163,17 @@ def keeps_low(dtype) -> bool:
   return jnp.dtype(dtype) == jnp.float32
 
 
+def _sink_rows(sinks):
+  """The sinks as [Hq, 16] float32 rows of one value (Triton loads no scalars),
+  and their BlockSpec: the program's head's row."""
+  if sinks is None:
+    return None, None
+  rows = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None], (sinks.shape[0], 16))
+  return rows, pl.BlockSpec((None, 16), lambda i, bi, h: (h, 0))
+
+
 def forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
-            keys: KeyBlock | None, *, fast_cap: bool):
+            keys: KeyBlock | None, *, fast_cap: bool, sinks=None):
   """(out, shift, low): the rows' statistics of SoftmaxState.finalize, low
   None unless keeps_low. ``config`` is effective (effective_config)."""
   keep_low = keeps_low(q.dtype)
@@ -178,11 +187,12 @@ def forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
                              fast_cap=fast_cap)
   tile, whole_kv, row = _query_program_specs(spec, bq, layout.head_dim, layout.kv_pad)
   rows = jax.ShapeDtypeStruct((b, hq, layout.q_pad), jnp.float32)
+  sink_rows, sink_spec = _sink_rows(sinks)
   out, shift, *low = _pallas_call(
-      config, (q, k, v, seg, spans, temp, *key_inputs), kernel,
+      config, (q, k, v, seg, spans, temp, *key_inputs, sink_rows), kernel,
       grid=(layout.q_pad // bq, b, hq),
       in_specs=[tile, whole_kv, whole_kv, *_segment_specs(seg, spans, layout.q_pad),
-                None if temp is None else row, *key_specs],
+                None if temp is None else row, *key_specs, sink_spec],
       out_specs=[tile, row] + [row] * keep_low,
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), rows] + [rows] * keep_low,
       compiler_params=_compiler_params(config),
