@@ -96,10 +96,10 @@ MUTANTS = [
            "conditions.append(_tile_grid(q_seg, shape, query_axis) == _tile_grid(k_seg, shape, key_axis))",
            "conditions.append(_tile_grid(q_seg, shape, query_axis) >= _tile_grid(k_seg, shape, key_axis))",
            "segment edge: earlier documents visible"),
-    Mutant("M4", TILE_MATH, "(q_pos < spec.seq_len) & (k_pos < spec.seq_len)",
+    Mutant("M4", TILE_MATH, "(q_pos < spec.seq_len) & (k_pos < spec.kv_seq_len)",
            "(q_pos < spec.seq_len)", "tail keys (padding) not masked"),
-    Mutant("M5", TILE_MATH, "num_blocks = -(-spec.seq_len // block_kv)",
-           "num_blocks = spec.seq_len // block_kv", "tail key block dropped (floor)"),
+    Mutant("M5", TILE_MATH, "num_blocks = -(-spec.kv_seq_len // block_kv)",
+           "num_blocks = spec.kv_seq_len // block_kv", "tail key block dropped (floor)"),
     Mutant("M6", TILE_MATH, "num_blocks = -(-spec.seq_len // block_q)",
            "num_blocks = max(spec.seq_len // block_q, 1)", "tail query block dropped in dk/dv"),
     Mutant("M7", TILE_MATH, "  if spec.cap_method == \"none\":\n    scores, cap_arg",
@@ -129,8 +129,8 @@ MUTANTS = [
     Mutant("M16", ATTENTION, "  return out, _lse2(spec, temp, shift, low) * LN2\n",
            "  return out, _lse2(spec, temp, shift, low)\n",
            "lse returned in base 2 (plain call, the custom_vjp primal)"),
-    Mutant("M20", ATTENTION, "  return (out, _lse2(spec, temp, shift, low) * LN2), (",
-           "  return (out, _lse2(spec, temp, shift, low)), (",
+    Mutant("M20", ATTENTION, "  return ((out, _lse2(spec, temp, shift, low) * LN2),",
+           "  return ((out, _lse2(spec, temp, shift, low)),",
            "lse returned in base 2 (under differentiation, the custom_vjp fwd)"),
     Mutant("M17", SOFTMAX_STATE, "return m_new, correction * self.l + jnp.sum(p, axis=1)",
            "return m_new, self.l + jnp.sum(p, axis=1)",
@@ -213,8 +213,10 @@ MUTANTS = [
            "    ds = ds * (1.0 if spec.cap_method == 'hard' else\n"
            "               cap_grad(logits.cap_arg, *logits.cap_params))\n",
            "hard cap's gradient passed straight through (1 beyond the cap instead of 0)"),
-    Mutant("S5", LAUNCH, "  q, k, v = (_pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))",
-           "  q, k, v = (_pad(x[..., :128], {1: seq_pad, 3: head_dim}) for x in (q, k, v))",
+    Mutant("S5", LAUNCH, "  q = _pad(q, {1: layout.q_pad, 3: layout.head_dim})\n"
+           "  k, v = (_pad(x, {1: layout.kv_pad, 3: layout.head_dim}) for x in (k, v))",
+           "  q = _pad(q[..., :128], {1: layout.q_pad, 3: layout.head_dim})\n"
+           "  k, v = (_pad(x[..., :128], {1: layout.kv_pad, 3: layout.head_dim}) for x in (k, v))",
            "head-dim columns beyond 128 dropped from q, k and v (a kernel written for D <= 128): "
            "wrong only for D > 128"),
 ]

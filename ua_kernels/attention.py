@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ua_reference.contract import StaticSpec, validate
+from ua_reference.contract import StaticSpec, validate, validate_call
 
 from . import cap_forms
 from .kernel_config import KernelConfig
@@ -54,7 +54,10 @@ def _forward_backend(spec: StaticSpec, config: KernelConfig, dtype, block_keys: 
     return "triton"
   why = mosaic_forward.unsupported(spec, dtype)
   if block_keys:
-    why = "keys from another block of the sequence (context_parallel) run on Triton only"
+    why = ("keys of another length, offset or segments (and context_parallel's key blocks) "
+           "run on Triton only")
+  if spec.has_sinks:
+    why = "sinks run on Triton only"
   if config.backend == "mosaic":
     if why:
       raise ValueError(f"KernelConfig(backend='mosaic'): {why}")
@@ -91,7 +94,7 @@ def _lse2(spec: StaticSpec, temp, shift, low):
 
 
 def _forward(spec: StaticSpec, config: KernelConfig, backends: Backends, q, k, v, seg, temp,
-             keys: KeyBlock | None = None):
+             keys: KeyBlock | None = None, sinks=None):
   """(out, shift, low): the rows' statistics of SoftmaxState.finalize, low
   None but for the Triton kernels' float32 (triton.launch.keeps_low).
   ``config`` is effective (effective_config)."""
@@ -100,7 +103,8 @@ def _forward(spec: StaticSpec, config: KernelConfig, backends: Backends, q, k, v
   if backends.forward == "mosaic":
     return (*mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp, fast_cap=fast_cap),
             None)
-  return triton_launch.forward(spec, config, q, k, v, seg, temp, keys, fast_cap=fast_cap)
+  return triton_launch.forward(spec, config, q, k, v, seg, temp, keys, fast_cap=fast_cap,
+                               sinks=sinks)
 
 
 def _delta(spec: StaticSpec, out, dout, lse2, dlse):
@@ -148,50 +152,73 @@ def _first_order_only(fn):
   return first_order
 
 
+def _dsinks(spec: StaticSpec, sinks, lse2, delta):
+  """d sinks [Hq]: -sum over rows of the sink's probability exp(s - lse) times
+  delta (docs/SEMANTICS.md); 0 from rows of no mass (lse -inf, delta 0)."""
+  p_sink = jnp.exp(sinks[None, :, None] - lse2 * LN2)
+  return -jnp.sum(jnp.where(lse2 == -jnp.inf, 0.0, p_sink * delta), axis=(0, 2))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attention(spec, config, backends, q, k, v, seg, temp, keys=None):
-  out, shift, low = _forward(spec, config, backends, q, k, v, seg, temp, keys=keys)
+def _attention(spec, config, backends, q, k, v, seg, temp, keys=None, sinks=None):
+  out, shift, low = _forward(spec, config, backends, q, k, v, seg, temp, keys=keys, sinks=sinks)
   return out, _lse2(spec, temp, shift, low) * LN2
 
 
-def _attention_fwd(spec, config, backends, q, k, v, seg, temp, keys=None):
-  forward = _first_order_only(lambda q, k, v, seg, temp, keys: _forward(
-      spec, config, backends, q, k, v, seg, temp, keys=keys))
-  out, shift, low = forward(q, k, v, seg, temp, keys)
-  return (out, _lse2(spec, temp, shift, low) * LN2), (q, k, v, seg, temp, keys, out, shift, low)
+def _attention_fwd(spec, config, backends, q, k, v, seg, temp, keys=None, sinks=None):
+  forward = _first_order_only(lambda q, k, v, seg, temp, keys, sinks: _forward(
+      spec, config, backends, q, k, v, seg, temp, keys=keys, sinks=sinks))
+  out, shift, low = forward(q, k, v, seg, temp, keys, sinks)
+  return ((out, _lse2(spec, temp, shift, low) * LN2),
+          (q, k, v, seg, temp, keys, sinks, out, shift, low))
 
 
 def _attention_bwd(spec, config, backends, residuals, cotangents):
-  q, k, v, seg, temp, keys, out, shift, low = residuals
+  q, k, v, seg, temp, keys, sinks, out, shift, low = residuals
   dout, dlse = cotangents
   backward = _first_order_only(functools.partial(_backward, spec, config, backends))
   dq, dk, dv = backward(q, k, v, seg, temp, out, shift, low, dout, dlse, keys)
+  dsinks = None
+  if sinks is not None:
+    lse2 = _lse2(spec, temp, shift, low)
+    dsinks = _dsinks(spec, sinks, lse2, _delta(spec, out, dout, lse2, dlse)).astype(sinks.dtype)
   # segment_ids, temperature and the key block receive no gradient (docs/SEMANTICS.md).
-  return dq, dk, dv, None, None, None
+  return dq, dk, dv, None, None, None, dsinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 _jitted_attention = jax.jit(_attention, static_argnums=(0, 1, 2))
 
 
-def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
-              cap_method="none", cap_params=(), temperature=None, sm_scale=None,
-              z_loss_weight=0.0, return_lse=False, config: KernelConfig | None = None):
+def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, sinks=None,
+              causal=False, window_len=0, cap_method="none", cap_params=(), temperature=None,
+              sm_scale=None, z_loss_weight=0.0, return_lse=False,
+              config: KernelConfig | None = None):
   """Unified attention through the Pallas kernels; see docs/SEMANTICS.md."""
-  spec, segment_ids, temperature = validate(
-      q, k, v, segment_ids=segment_ids, causal=causal, window_len=window_len,
-      cap_method=cap_method, cap_params=cap_params, temperature=temperature,
-      sm_scale=sm_scale, z_loss_weight=z_loss_weight, return_lse=return_lse)
+  call = validate_call(
+      q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+      sinks=sinks, causal=causal, window_len=window_len, cap_method=cap_method,
+      cap_params=cap_params, temperature=temperature, sm_scale=sm_scale,
+      z_loss_weight=z_loss_weight, return_lse=return_lse)
   if q.dtype not in SUPPORTED_DTYPES:
     raise TypeError(f"ua_kernels.attention supports q/k/v dtypes float32, bfloat16 "
                     f"and float16, got {q.dtype}")
+  spec, temperature = call.spec, call.temperature
   if temperature is not None:
     temperature = temperature.astype(jnp.float32)
+  keys = None
+  if spec.kv_seq_len != spec.seq_len or spec.q_offset != 0 or kv_segment_ids is not None:
+    # Keys of their own length, offset or segments: the key-block path of the
+    # Triton kernels, the offset traced (one compile for every offset).
+    keys = KeyBlock(None if kv_segment_ids is None else call.kv_segment_ids,
+                    jnp.asarray(call.q_offset, jnp.int32))
+    spec = dataclasses.replace(spec, q_offset=None)
   # Unset fields take the tuned table's values before jit: the effective
   # config keys the compilation, whichever backend the call forces.
   config = effective_config(spec, q.dtype, config)
-  backends = backends_for(spec, config, q.dtype)
-  out, lse = _jitted_attention(spec, config, backends, q, k, v, segment_ids, temperature)
+  backends = backends_for(spec, config, q.dtype, block_keys=keys is not None)
+  out, lse = _jitted_attention(spec, config, backends, q, k, v, call.segment_ids, temperature,
+                               keys, call.sinks)
   return (out, lse) if return_lse else out
 
 

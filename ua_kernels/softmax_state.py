@@ -78,6 +78,19 @@ class SoftmaxState(NamedTuple):
       return self.l_used
     return jnp.max(self.l_used, axis=1)
 
+  def with_sink(self, sink, scale: float) -> "SoftmaxState":
+    """The state with one more logit of value zero, ``sink`` (scores' units, a
+    scalar or [block_q]), in the max and the sums: docs/SEMANTICS.md's sinks.
+    The running max only (fixed_shift leaves sinks out)."""
+    m = jnp.maximum(self.m, sink)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    correction = fast_math.exp2((self.m - m_safe) * scale)
+    p_sink = jnp.broadcast_to(fast_math.exp2((sink - m_safe) * scale), self.l.shape)
+    l_used = self.rescaled_used(correction)
+    if l_used is not None:
+      l_used = l_used + (p_sink if l_used.ndim == 1 else p_sink[:, None])
+    return SoftmaxState(m, correction * self.l + p_sink, self.rescaled_acc(correction), l_used)
+
   def finalize(self, scale: float, with_low: bool = False):
     """Returns (out, shift, low): the row statistics from which the backward
     recomputes the probabilities, exp2((scores - shift) * scale - low)

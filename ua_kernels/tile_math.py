@@ -88,8 +88,8 @@ def visible_mask(spec: StaticSpec, q_pos, k_pos, q_seg, k_seg, *, padded: bool,
   Positions and segment ids come as vectors or as whole tiles. The tile holds
   queries along ``query_axis`` ([block_q, block_kv] for 0; the dk/dv kernel of
   the Mosaic backend scores keys against queries, [block_kv, block_q], for 1).
-  ``padded`` says the sequence was padded to a block multiple, so positions
-  >= seq_len (queries and keys) are hidden too. ``delta`` (an int32 scalar,
+  ``padded`` says the sequences were padded to a block multiple, so queries
+  from spec.seq_len and keys from spec.kv_seq_len on are hidden too. ``delta`` (an int32 scalar,
   or None for 0): the queries' positions lie ``delta`` after the keys' (a key
   block of another shard, context_parallel), for causality and the window.
   """
@@ -105,7 +105,7 @@ def visible_mask(spec: StaticSpec, q_pos, k_pos, q_seg, k_seg, *, padded: bool,
   q_pos, k_pos = _tile_grid(q_pos, shape, query_axis), _tile_grid(k_pos, shape, key_axis)
   conditions = []
   if padded:
-    conditions.append((q_pos < spec.seq_len) & (k_pos < spec.seq_len))
+    conditions.append((q_pos < spec.seq_len) & (k_pos < spec.kv_seq_len))
   if q_seg is not None:
     conditions.append(_tile_grid(q_seg, shape, query_axis) == _tile_grid(k_seg, shape, key_axis))
   if delta is not None:
@@ -184,9 +184,9 @@ def fixed_shift(spec: StaticSpec, dtype, has_temperature: bool) -> float | None:
   from every key tile. Only where that is exact in range: no temperature (it
   would scale the bounds per row), a span of at most FIXED_SHIFT_MAX_SPAN, and
   bfloat16 or float32 inputs (the probabilities are cast to the input dtype for
-  the p @ v product; float16 cannot hold 2^50).
+  the p @ v product; float16 cannot hold 2^50). A sink is not capped: none.
   """
-  if (spec.cap.bounds is None or has_temperature
+  if (spec.cap.bounds is None or has_temperature or spec.has_sinks
       or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))):
     return None
   _, scale, params = _cap_fold(spec)
@@ -441,7 +441,7 @@ def _ceil_div(a, b: int):
 
 def kv_block_range(spec: StaticSpec, q_start, block_q, block_kv):
   """[lo, hi) of key blocks that the query tile at q_start can see at all."""
-  num_blocks = -(-spec.seq_len // block_kv)
+  num_blocks = -(-spec.kv_seq_len // block_kv)
   lo = jnp.int32(0)
   hi = jnp.int32(num_blocks)
   if spec.causal:

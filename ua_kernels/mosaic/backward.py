@@ -105,7 +105,7 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, de
       BackwardParams, spec,
       # Tile ranges count tiles over the padded length; masks use spec's own
       # seq_len (visible_mask's padded flag hides the padding).
-      dataclasses.replace(spec, seq_len=seq_pad), seq_pad != t, has_temp, fast_cap)
+      dataclasses.replace(spec, seq_len=seq_pad, kv_seq_len=seq_pad), seq_pad != t, has_temp, fast_cap)
   # A halves program owns one tile (each warpgroup half its columns), a
   # program of the others two tiles (one per warpgroup).
   per_program = 1 if halves else 2

@@ -547,7 +547,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       spec=spec,
       # kv_tiles/kv_block_range count tiles over the padded length; masks use
       # spec's own seq_len (visible_mask's padded flag hides the padding).
-      spec_padded=dataclasses.replace(spec, seq_len=seq_pad),
+      spec_padded=dataclasses.replace(spec, seq_len=seq_pad, kv_seq_len=seq_pad),
       dtype=dtype, block_q=tiles.block_q, block_kv=tiles.block_kv, head_dim=head_dim,
       stages=min(tiles.stages, seq_pad // tiles.block_kv), padded=seq_pad != t,
       has_temp=has_temp, shift=fixed_shift(spec, dtype, has_temp), fast_cap=fast_cap,

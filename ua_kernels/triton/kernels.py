@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from ua_reference.contract import StaticSpec
 
 from ..softmax_state import SoftmaxState, sums_rounded
-from ..tile_math import (TileMask, dither_bits, dot, exp2_scale, fixed_shift, gradient_product,
+from ..tile_math import (LOG2E, TileMask, dither_bits, dot, exp2_scale, fixed_shift, gradient_product,
                         kv_tiles, logits_grad, matmul_operand, position_grid, positions,
                         probabilities, q_tiles, scaled_back, tile_logits, tile_loop, to_operand,
                         unbiased_roundings, visible_mask)
@@ -89,12 +89,13 @@ def _value_tile(v_ref, kv_block, block_kv):
 
 
 def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset_ref,
-                   o_ref, shift_ref, low_ref=None, *, spec: StaticSpec, block_q: int,
+                   sink_ref, o_ref, shift_ref, low_ref=None, *, spec: StaticSpec, block_q: int,
                    block_kv: int, padded: bool, fast_cap: bool):
   """One query tile of one head: o = softmax(logits) @ v and each row's
   statistics, shift and (given ``low_ref``) low: SoftmaxState.finalize.
   ``kseg_ref``: the keys' own segment ids, ``offset_ref``: _offset's block,
-  where the keys are another block of the sequence (None: the queries')."""
+  where the keys are another block of the sequence (None: the queries');
+  ``sink_ref``: the head's sink logit, a [16] row of one value (or None)."""
   qt = _query_tile(q_ref, seg_ref, temp_ref, offset_ref, block_q)
   key_seg_ref = seg_ref if kseg_ref is None else kseg_ref
   shift = fixed_shift(spec, q_ref.dtype, temp_ref is not None)
@@ -109,6 +110,8 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, o
   state = tile_loop(tiles, body, SoftmaxState.init(
       block_q, qt.q.shape[-1], shift, sums_rounded(spec, v_ref.dtype)))
   scale = exp2_scale(spec, temp_ref is not None)
+  if sink_ref is not None:  # natural units to the scores': base 2, then the exp2's scale
+    state = state.with_sink(jnp.max(sink_ref[...]) * (LOG2E / scale), scale)
   out, shift, low = state.finalize(scale, with_low=low_ref is not None)
   o_ref[...] = out.astype(o_ref.dtype)
   shift_ref[...] = shift
