@@ -113,7 +113,7 @@ def captured(monkeypatch):
   """The configs ua_kernels.attention hands its jitted kernels (none run)."""
   configs = []
 
-  def fake(spec, config, backends, q, k, v, seg, temp):
+  def fake(spec, config, backends, q, k, v, seg, temp, keys=None, sinks=None):
     configs.append(config)
     return q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
 
