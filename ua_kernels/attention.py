@@ -152,7 +152,7 @@ def _first_order_only(fn):
   return first_order
 
 
-def _dsinks(spec: StaticSpec, sinks, lse2, delta):
+def _dsinks(sinks, lse2, delta):
   """d sinks [Hq]: -sum over rows of the sink's probability exp(s - lse) times
   delta (docs/SEMANTICS.md); 0 from rows of no mass (lse -inf, delta 0)."""
   p_sink = jnp.exp(sinks[None, :, None] - lse2 * LN2)
@@ -181,7 +181,7 @@ def _attention_bwd(spec, config, backends, residuals, cotangents):
   dsinks = None
   if sinks is not None:
     lse2 = _lse2(spec, temp, shift, low)
-    dsinks = _dsinks(spec, sinks, lse2, _delta(spec, out, dout, lse2, dlse)).astype(sinks.dtype)
+    dsinks = _dsinks(sinks, lse2, _delta(spec, out, dout, lse2, dlse)).astype(sinks.dtype)
   # segment_ids, temperature and the key block receive no gradient (docs/SEMANTICS.md).
   return dq, dk, dv, None, None, None, dsinks
 
