@@ -23,7 +23,7 @@ import io
 import json
 import math
 
-OUTPUTS = ("out", "lse", "dq", "dk", "dv")
+OUTPUTS = ("out", "lse", "dq", "dk", "dv", "dsinks")
 DTYPES = ("float32", "bfloat16", "float16")
 SMALLEST = 1e-6  # error/tolerance below this (zero included) sits in the first bin
 EXTRA = "pip install 'unified-attention[html]' (or: pip install matplotlib)"

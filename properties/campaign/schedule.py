@@ -28,6 +28,17 @@ class PropertyTest:
 
 
 MASK_FOCUSES = ("causal", "window", "segment_ids")
+# Features of their own focused test: drawn on their own, half the time, they
+# would be left to chance in a test of two examples.
+FEATURE_FOCUSES = ("kv_length", "sinks")
+
+
+def focus_feature(focus: str) -> str | None:
+  """The feature a focused test requires (None: a cap method's or the long one)."""
+  for prefix in ("mask-", "feature-"):
+    if focus.startswith(prefix):
+      return focus[len(prefix):]
+  return None
 
 
 def focuses() -> list[str]:
@@ -37,7 +48,8 @@ def focuses() -> list[str]:
   length beyond 256 (docs/TOLERANCES.md, "Coverage by feature")."""
   from ua_reference.caps import CAP_METHODS
   return ([f"cap-{m}" for m in CAP_METHODS if m != "none"]
-          + [f"mask-{m}" for m in MASK_FOCUSES] + ["long"])
+          + [f"mask-{m}" for m in MASK_FOCUSES] + [f"feature-{f}" for f in FEATURE_FOCUSES]
+          + ["long"])
 
 
 def property_tests(profile, oracle_chunks: int | None = None) -> list["PropertyTest"]:
@@ -188,8 +200,9 @@ def _focus_unsupported(focus: str, impl) -> str | None:
     method = focus[len("cap-"):]
     if "cap" in impl.unsupported or not impl.supports_cap(method):
       return f"{impl.name} declares cap method {method!r} unsupported"
-  if focus.startswith("mask-") and focus[len("mask-"):] in impl.unsupported:
-    return f"{impl.name} declares {focus[len('mask-'):]!r} unsupported"
+  feature = focus_feature(focus)
+  if feature in impl.unsupported:
+    return f"{impl.name} {impl.lacks({feature})}"
   return None
 
 

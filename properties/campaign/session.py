@@ -13,7 +13,7 @@ import pytest
 from ..run.loading import import_modules
 from .hooks import _RECORD, _STATE
 from .schedule import (PropertyTest, _focus_unsupported, _long, _rotation, _seed, chunked_share,
-                       first_round_size, input_seeds, time_share)
+                       first_round_size, focus_feature, input_seeds, time_share)
 
 
 class Suite:
@@ -127,8 +127,8 @@ class Suite:
       buckets = dataclasses.replace(buckets, dtypes=(test.dtype,))
     if prop.name in self.profile.long_properties or test.focus == "long":
       buckets = _long(buckets, impl)
-    require = prop.require | ({test.focus[len("mask-"):]} if test.focus.startswith("mask-")
-                              else set())
+    feature = focus_feature(test.focus)
+    require = prop.require | ({feature} if feature else set())
     cap = test.focus[len("cap-"):] if test.focus.startswith("cap-") else None
     why = undrawable(buckets, impl, require, prop.forbid, prop.any_of, cap)
     if why:

@@ -106,7 +106,7 @@ def matches_oracle_under_x64(impl, case: Case, harness: Harness | None = None):
 def key_permutation_invariance(impl, case: Case, harness: Harness | None = None):
   """Permuting keys and values jointly (no causal, no window) changes nothing."""
   inputs = make_inputs(case)
-  perm = np.random.default_rng(case.seed + 1).permutation(case.seq_len)
+  perm = np.random.default_rng(case.seed + 1).permutation(case.tk)
   permuted = dict(inputs)
   for name in ("k", "v"):
     permuted[name] = inputs[name][:, perm]
@@ -308,17 +308,19 @@ def huge_tanh_cap_is_no_cap(impl, case: Case, harness: Harness | None = None):
 def _largest_logit(case: Case) -> tuple[float, float]:
   """Bounds on |s q.k| over the case's pairs (Cauchy-Schwarz) and on |t|, float64."""
   inputs = make_inputs(case)
-  spec, _, temp = error_terms.spec_of(case, inputs)  # the contract's defaults
+  call = error_terms.spec_of(case, inputs)  # the contract's defaults
+  spec, temp = call.spec, call.temperature
   norm = lambda x: float(np.max(np.linalg.norm(np.asarray(x, np.float64), axis=-1), initial=0.0))
   t = 1.0 if temp is None else float(np.max(np.abs(np.asarray(temp, np.float64)), initial=0.0))
   return abs(spec.sm_scale) * norm(inputs["q"]) * norm(inputs["k"]), t
 
 
 def window_covering_sequence_is_no_window(impl, case: Case, harness: Harness | None = None):
-  """A window at least as long as the sequence equals no window."""
+  """A window reaching every key (at least Tq + offset: the last query's
+  position plus one) equals no window."""
   return _same_call(impl, _judging(harness, without_window(case)),
-                    _replace(case, window_len=case.seq_len + case.seed % 5),
-                    "window_len >= T differs from no window")
+                    _replace(case, window_len=max(1, case.seq_len + case.offset) + case.seed % 5),
+                    "a window reaching every key differs from no window")
 
 
 def gqa_equals_repeated_heads(impl, case: Case, harness: Harness | None = None):
@@ -336,7 +338,7 @@ def gqa_equals_repeated_heads(impl, case: Case, harness: Harness | None = None):
   gqa = evaluate(impl, case, inputs)
   # Group sums add up to G rounded terms: allow G + 1 tolerances for dk/dv.
   harness = _judging(harness, case)
-  errors = harness.score(mha, expected=gqa, slack=2.0, outputs=("out", "lse", "dq"))
+  errors = harness.score(mha, expected=gqa, slack=2.0, outputs=("out", "lse", "dq", "dsinks"))
   errors += harness.score(mha, expected=gqa, slack=g + 1.0, outputs=("dk", "dv"))
   return _require(errors, "GQA differs from MHA with repeated kv heads")
 

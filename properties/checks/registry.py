@@ -14,7 +14,7 @@ from typing import Callable
 
 from ua_reference.caps import CAP_METHODS
 
-from . import checks, mask_check
+from . import checks, length_checks, mask_check
 from ..judge.runner import Harness
 from ..model.case import Case
 
@@ -51,6 +51,9 @@ class Property:
   oracle: bool = False  # compares with the float64 oracle (counts as an oracle case)
   x64: bool = False  # calls the implementation with jax_enable_x64 on
   uses_cap_method: str | None = None  # a cap method the check itself calls with
+  # Features of the calls the check derives (a key block's offset), which the
+  # implementation must take although the drawn case need not have them.
+  uses_features: frozenset = frozenset()
   # The case whose harness the check scores against: the drawn case, or one it
   # derives (huge_tanh_cap_is_no_cap scores against its no-cap case).
   judged: Callable[[Case], Case] = _itself
@@ -78,9 +81,9 @@ class Property:
     The one place that decides; the strategies then draw within what remains."""
     if self.needs_unsharded and impl.unsharded is None:
       return f"{impl.name} declares no ua_unsharded (it is not a sharded op)"
-    missing = set(self.require) & impl.unsupported
+    missing = (set(self.require) | self.uses_features) & impl.unsupported
     if missing:
-      return f"{impl.name} declares {sorted(missing)} unsupported"
+      return f"{impl.name} {impl.lacks(missing)}"
     if self.any_of and self.any_of <= (impl.unsupported | self.forbid):
       return f"{impl.name} supports none of {sorted(self.any_of)}"
     if dtype is not None and dtype not in impl.dtypes:
@@ -129,12 +132,15 @@ PROPERTIES = (
     Property("key_permutation_invariance", checks.key_permutation_invariance, 4,
              forbid=frozenset({"causal", "window", "segment_ids"}), applies=_longer_than_one),
     Property("packed_equals_separate", checks.packed_equals_separate, 4,
-             require=frozenset({"segment_ids"}), applies=_contiguous_documents),
+             require=frozenset({"segment_ids"}), applies=_contiguous_documents,
+             forbid=frozenset({"kv_length", "q_offset", "sinks"})),
     # Clean against poisoned runs of the implementation, compared exactly: no oracle.
     Property("hidden_keys_do_not_leak", checks.hidden_keys_do_not_leak, 5,
-             any_of=frozenset({"causal", "window", "segment_ids"}), applies=_hides_a_key),
+             any_of=frozenset({"causal", "window", "segment_ids"}), applies=_hides_a_key,
+             forbid=frozenset({"kv_length", "q_offset"})),
     Property("mask_is_exact", mask_check.mask_is_exact, 4,
-             applies=_mask_affordable, seed_matters=_has_documents),
+             applies=_mask_affordable, seed_matters=_has_documents,
+             forbid=frozenset({"kv_length", "q_offset", "sinks"})),
     Property("zero_z_loss_is_no_z_loss", checks.zero_z_loss_is_no_z_loss, 3,
              judged=checks.without_z_loss),
     Property("unit_temperature_is_none", checks.unit_temperature_is_none, 3,
@@ -147,6 +153,21 @@ PROPERTIES = (
     Property("gqa_equals_repeated_heads", checks.gqa_equals_repeated_heads, 4,
              require=frozenset({"gqa"})),
     Property("deterministic", checks.deterministic, 3),
+    # Queries and keys of other lengths, and sinks (properties/checks/length_checks.py).
+    Property("queries_equal_their_rows_of_the_full_call",
+             length_checks.queries_equal_their_rows_of_the_full_call, 3,
+             require=frozenset({"kv_length"}), applies=length_checks.rows_inside_the_keys),
+    Property("key_blocks_merge_to_one_call", length_checks.key_blocks_merge_to_one_call, 3,
+             require=frozenset({"lse"}), applies=length_checks.two_key_blocks,
+             uses_features=frozenset({"kv_length", "q_offset", "kv_segment_ids"})),
+    Property("minus_inf_sinks_are_no_sinks", length_checks.minus_inf_sinks_are_no_sinks, 2,
+             require=frozenset({"sinks"}), judged=length_checks.without_sinks),
+    Property("sink_is_an_extra_key", length_checks.sink_is_an_extra_key, 2,
+             require=frozenset({"sinks"}),
+             forbid=frozenset({"cap", "temperature", "window", "segment_ids"}),
+             applies=length_checks.finite_sinks_before_every_query,
+             judged=length_checks.with_sink_channel,
+             uses_features=frozenset({"kv_length"})),
     Property("sharded_equals_unsharded", checks.sharded_equals_unsharded, 4,
              needs_unsharded=True),
 )

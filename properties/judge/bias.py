@@ -58,8 +58,10 @@ BIAS_ALPHA = 1e-6
 
 
 def output_dtype(name: str, dtype: str) -> str:
-  """The dtype an output is returned in: lse is float32 (float64 for float64 inputs)."""
-  return ("float64" if dtype == "float64" else "float32") if name == "lse" else dtype
+  """The dtype an output is returned in: lse and d sinks are float32 (float64
+  for float64 inputs)."""
+  return ("float64" if dtype == "float64" else "float32") if name in ("lse", "dsinks") \
+      else dtype
 
 
 def signed_ulps(got, oracle, dtype: str, reference=None) -> np.ndarray:

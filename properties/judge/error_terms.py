@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ua_reference.contract import validate
+from ua_reference.contract import validate_call
 from ua_reference.reference import visible_keys
 
 
@@ -81,10 +81,11 @@ TERMS_LOGITS = 1 << 24
 
 
 def spec_of(case, inputs):
-  """The contract's StaticSpec, segment ids and temperature of a case."""
-  return validate(
+  """The contract's Validated call of a case (ua_reference.validate_call)."""
+  return validate_call(
       jnp.asarray(inputs["q"]), jnp.asarray(inputs["k"]), jnp.asarray(inputs["v"]),
-      segment_ids=inputs["segment_ids"], temperature=inputs["temperature"],
+      segment_ids=inputs["segment_ids"], kv_segment_ids=inputs.get("kv_segment_ids"),
+      q_offset=case.q_offset, sinks=inputs.get("sinks"), temperature=inputs["temperature"],
       causal=case.causal, window_len=case.window_len, cap_method=case.cap_method,
       cap_params=case.cap_params, sm_scale=case.sm_scale, z_loss_weight=case.z_loss_weight,
       return_lse=case.return_lse)
@@ -92,19 +93,23 @@ def spec_of(case, inputs):
 
 def element_terms(case, inputs: dict, lse, rounding: Rounding):
   """({output: sums}, {output: logit terms}) as float64 numpy arrays of the
-  outputs' shapes (lse: only logit terms). ``lse``: the oracle's [B, Hq, T]
+  outputs' shapes (lse: only logit terms). ``lse``: the oracle's [B, Hq, Tq]
   lse. Call under x64."""
-  spec, segment_ids, temperature = spec_of(case, inputs)
+  call = spec_of(case, inputs)
+  spec = call.spec
   f64 = lambda x: np.asarray(x, np.float64)
   q, k, v, dout = (f64(inputs[n]) for n in ("q", "k", "v", "dout"))
   g = spec.group_size
   k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
   b, t, hq, d = q.shape
+  tk = k.shape[1]
   dlse = f64(inputs["dlse"]) if case.return_lse else np.zeros((b, hq, t))
-  temp = np.ones((b, t, hq)) if temperature is None else \
-      np.broadcast_to(f64(temperature), (b, t, hq))
-  seg = None if segment_ids is None else np.asarray(segment_ids)
-  rows = max(1, min(t, TERMS_LOGITS // (b * hq * t)))
+  temp = np.ones((b, t, hq)) if call.temperature is None else \
+      np.broadcast_to(f64(call.temperature), (b, t, hq))
+  seg = tuple(None if x is None else np.asarray(x)
+              for x in (call.segment_ids, call.kv_segment_ids))
+  sinks = None if call.sinks is None else f64(call.sinks)
+  rows = max(1, min(t, TERMS_LOGITS // (b * hq * tk)))
   blocks = -(-t // rows)
   pad = blocks * rows - t
   on_t = lambda x, axis, value=0.0: np.pad(
@@ -112,14 +117,15 @@ def element_terms(case, inputs: dict, lse, rounding: Rounding):
   # Padded query rows get lse = +inf: probabilities 0, no terms.
   q, dout, temp = on_t(q, 1), on_t(dout, 1), on_t(temp, 1)
   lse, dlse = on_t(f64(lse), 2, np.inf), on_t(dlse, 2)
-  step, k, v = _block_fn(spec, t, rows, rounding, k, v)
+  step, k, v = _block_fn(spec, rows, rounding, k, v)
   row_parts = collections.defaultdict(list)
-  key_sums = {name: np.zeros((b, t, hq // g, d)) for name in _KEY_TERMS}
+  key_sums = {name: np.zeros((b, tk, hq // g, d)) for name in _KEY_TERMS}
+  key_sums.update({name: np.zeros((hq,)) for name in _SINK_TERMS})
   pending = {}
   for i in range(blocks):
     sl = slice(i * rows, (i + 1) * rows)
     r, key_sums = step(q[:, sl], dout[:, sl], temp[:, sl], lse[..., sl], dlse[..., sl],
-                       np.arange(i * rows, (i + 1) * rows), seg, k, v, key_sums)
+                       np.arange(i * rows, (i + 1) * rows), seg, k, v, sinks, key_sums)
     # The block before this one is brought to the host while the device computes it.
     for name, x in pending.items():
       row_parts[name].append(np.asarray(x))
@@ -129,29 +135,32 @@ def element_terms(case, inputs: dict, lse, rounding: Rounding):
   rows_of = lambda name: np.concatenate(row_parts[name], axis=1)[:, :t]
   keys = {name: np.asarray(x) for name, x in key_sums.items()}
   sums = {"out": rows_of("out_sum"), "dq": rows_of("dq_sum"),
-          "dk": keys["dk_sum"], "dv": keys["dv_sum"]}
+          "dk": keys["dk_sum"], "dv": keys["dv_sum"], "dsinks": keys["dsinks_sum"]}
   logit = {"out": rows_of("out_logit"), "dq": rows_of("dq_logit"),
            "lse": np.concatenate(row_parts["lse_logit"], axis=2)[:, :, :t],
-           "dk": keys["dk_logit"], "dv": keys["dv_logit"]}
+           "dk": keys["dk_logit"], "dv": keys["dv_logit"], "dsinks": keys["dsinks_logit"]}
   return sums, logit
 
 
 _KEY_TERMS = ("dk_sum", "dk_logit", "dv_sum", "dv_logit")
+_SINK_TERMS = ("dsinks_sum", "dsinks_logit")  # [Hq], summed over batch rows and queries
 
 
-def _step(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r, dlse_r, pos, seg, k, v,
+def _step(spec, rounding, xp, q_r, dout_r, temp_r, lse_r, dlse_r, pos, seg, k, v, sinks,
           key_sums):
   """One block's row terms, and the key terms summed into ``key_sums`` over
-  the block's query rows and each kv head's group of query heads."""
-  r = _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r, dlse_r, pos, seg, k, v)
+  the block's query rows and each kv head's group of query heads (the sinks'
+  over the batch and the rows)."""
+  r = _terms(spec, rounding, xp, q_r, dout_r, temp_r, lse_r, dlse_r, pos, seg, k, v, sinks)
   b, t, hq, d = k.shape
   g = spec.group_size
-  key_sums = {name: key_sums[name] + r.pop(name).reshape(b, t, hq // g, g, d).sum(axis=3)
-              for name in _KEY_TERMS}
-  return r, key_sums
+  out = {name: key_sums[name] + r.pop(name).reshape(b, t, hq // g, g, d).sum(axis=3)
+         for name in _KEY_TERMS}
+  out.update({name: key_sums[name] + r.pop(name) for name in _SINK_TERMS})
+  return r, out
 
 
-def _block_fn(spec, seq_len: int, rows: int, rounding: Rounding, k, v):
+def _block_fn(spec, rows: int, rounding: Rounding, k, v):
   """(step, k, v): the terms of ``rows`` query rows against every key, and the
   keys it takes. numpy on a CPU backend (the ci profile's many small
   configurations would each pay an XLA compile of about a second, the cost of
@@ -160,25 +169,25 @@ def _block_fn(spec, seq_len: int, rows: int, rounding: Rounding, k, v):
   sliced on the host (an eager slice of a device array is a dispatch: 1280 of
   them took 1.5 s of a T=16k case on the H200)."""
   if jax.default_backend() == "cpu":
-    return functools.partial(_step, spec, seq_len, rounding, np), k, v
+    return functools.partial(_step, spec, rounding, np), k, v
   host = host_device()
   if host is not None:  # a TPU: the float64 terms jitted on the host's CPU (numpy: minutes at 4k)
-    step = _jitted(spec, seq_len, rows, rounding)
+    step = _jitted(spec, rows, rounding)
 
     def on_host(*args):
       with jax.default_device(host):
         return step(*args)
     return on_host, jax.device_put(k, host), jax.device_put(v, host)
-  return _jitted(spec, seq_len, rows, rounding), jax.device_put(k), jax.device_put(v)
+  return _jitted(spec, rows, rounding), jax.device_put(k), jax.device_put(v)
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted(spec, seq_len: int, rows: int, rounding: Rounding):
+def _jitted(spec, rows: int, rounding: Rounding):
   """One block's step, compiled with the harness's options; ``rows`` is part
   of the key: one compile per block shape."""
   del rows
-  return jax.jit(functools.partial(_step, spec, seq_len, rounding, jnp),
-                 donate_argnums=(9,), compiler_options=HARNESS_COMPILER_OPTIONS)  # key_sums
+  return jax.jit(functools.partial(_step, spec, rounding, jnp),
+                 donate_argnums=(10,), compiler_options=HARNESS_COMPILER_OPTIONS)  # key_sums
 
 
 def _bucket(n: int) -> int:
@@ -200,14 +209,25 @@ def _bucketed(fn, x):
   return np.asarray(fn(jax.device_put(padded, host_device())))[:flat.size].reshape(x.shape)
 
 
-def _bucketed_mask(spec, seq_len, seg, pos):
-  """The contract's visible_keys of the query rows ``pos`` as numpy, computed
-  at power-of-two position counts (padding positions repeat the last one)."""
+def _mask(spec, seg, pos, queries=None, keys=None):
+  """visible_keys of the query rows ``pos`` (clamped to the queries: padded
+  rows, which have no terms, repeat the last one) for the spec's lengths,
+  offset and ``seg`` = (the queries' ids, the keys')."""
+  pos = jnp.minimum(jnp.asarray(pos), spec.seq_len - 1)
+  return visible_keys(spec.seq_len, seg[0], spec.causal, spec.window_len,
+                      queries=pos if queries is None else pos[queries], keys=keys,
+                      kv_seq_len=spec.kv_seq_len, kv_segment_ids=seg[1],
+                      q_offset=spec.q_offset)
+
+
+def _bucketed_mask(spec, seg, pos):
+  """_mask as numpy, computed at power-of-two position counts (padding
+  positions repeat the last one)."""
+  tk = spec.kv_seq_len
   queries = np.minimum(np.arange(_bucket(len(pos))), len(pos) - 1)
-  keys = np.minimum(np.arange(_bucket(seq_len)), seq_len - 1)
-  mask = visible_keys(seq_len, seg, spec.causal, spec.window_len,
-                      queries=np.asarray(pos)[queries], keys=keys)
-  return np.asarray(mask)[:, :len(pos), :seq_len]
+  keys = np.minimum(np.arange(_bucket(tk)), tk - 1)
+  mask = _mask(spec, seg, pos, queries=queries, keys=keys)
+  return np.asarray(mask)[:, :len(pos), :tk]
 
 
 def _derivative_step(xp, spec, grad, s, at, width):
@@ -223,6 +243,25 @@ def _derivative_step(xp, spec, grad, s, at, width):
   nearest_zero = xp.clip(0.0, s - width, s + width)
   return xp.maximum(xp.maximum(xp.abs(grad(s + width) - at), xp.abs(grad(s - width) - at)),
                     xp.abs(grad(nearest_zero) - at))
+
+
+def _sink_terms(xp, rounding, sinks, lse_r, delta, delta_abs) -> dict:
+  """A sink's terms (docs/TOLERANCES.md, "Sinks"): its share of a row,
+  p_s = exp(sink - lse), rounded in its exp2 argument like a recomputed logit,
+  in the row's lse; d sink_h = -sum_i p_s delta_i over the head's rows, each
+  term off by its row correction's error (delta_abs) and p_s's own."""
+  if sinks is None:
+    zero = xp.zeros(lse_r.shape[1:2])
+    return {"lse_logit": 0.0, "dsinks_sum": zero, "dsinks_logit": zero}
+  sink = sinks[None, :, None]
+  finite = xp.isfinite(lse_r) & xp.isfinite(sink)
+  with np.errstate(invalid="ignore", over="ignore"):
+    p_s = xp.where(finite, xp.exp(xp.where(finite, sink - lse_r, -np.inf)), 0.0)
+  size = xp.where(finite, xp.abs(sink) + xp.abs(lse_r), 0.0)
+  row = xp.abs(delta[..., 0]) + delta_abs[..., 0]
+  return {"lse_logit": p_s * rounding.recompute * xp.where(finite, xp.abs(sink), 0.0),
+          "dsinks_sum": xp.sum(p_s * row, axis=(0, 2)),
+          "dsinks_logit": xp.sum(p_s * rounding.recompute * size * row, axis=(0, 2))}
 
 
 def _pairs(xp, a, b):
@@ -241,8 +280,7 @@ def _keys(xp, w, a):
                       (0, 2, 1, 3))
 
 
-def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
-           dlse_r, pos, seg, k, v):
+def _terms(spec, rounding, xp, q_r, dout_r, temp_r, lse_r, dlse_r, pos, seg, k, v, sinks):
   """error_terms' pair sums for one block of query rows, in ``xp`` (numpy, or
   jax.numpy under jit); the cap and the mask are the contract's jnp functions."""
   temp = xp.transpose(temp_r, (0, 2, 1))[..., None]  # [B, Hq, rows, 1]
@@ -257,10 +295,7 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
   norms = xp.transpose(qn, (0, 2, 1))[..., None] * xp.transpose(kn, (0, 2, 1))[:, :, None]
   width = rounding.logit * (1.0 + abs(spec.sm_scale) * norms) + rounding.recompute * xp.abs(s)
   step = _derivative_step(xp, spec, lambda x: cap(spec.cap.grad, x), s, grad, width)
-  if xp is jnp:
-    mask = visible_keys(seq_len, seg, spec.causal, spec.window_len, queries=pos)
-  else:
-    mask = _bucketed_mask(spec, seq_len, seg, pos)
+  mask = _mask(spec, seg, pos) if xp is jnp else _bucketed_mask(spec, seg, pos)
   mask = mask[:, None]
   with np.errstate(invalid="ignore", over="ignore"):
     p = xp.where(mask, xp.exp(xp.where(mask, z - lse_r[..., None], -np.inf)), 0.0)
@@ -304,9 +339,10 @@ def _terms(spec, seq_len, rounding, xp, q_r, dout_r, temp_r, lse_r,
   dq_delta = xp.abs(_rows(xp, p * grad, k)) * along_rows(delta_abs * scale)
   dq_lse = xp.abs(_rows(xp, p * (dp - delta) * grad, k)) * along_rows(
       rounding.recompute * finite_lse * scale)
+  sink_terms = _sink_terms(xp, rounding, sinks, lse_r, delta, delta_abs)
   return {
       "out_sum": _rows(xp, p, av), "out_logit": _rows(xp, pw, av),
-      "lse_logit": xp.sum(pw_lse, axis=-1),
+      "lse_logit": xp.sum(pw_lse, axis=-1) + sink_terms.pop("lse_logit"), **sink_terms,
       "dq_sum": _rows(xp, ds_local, ak) + dq_delta,
       "dq_logit": _rows(xp, ds_w, ak) + dq_lse,
       "dk_sum": _keys(xp, ds, aq), "dk_logit": _keys(xp, ds_w + ds_w_row, aq),

@@ -110,23 +110,31 @@ def _call(executable, args):
         f"under a plain jax.jit the same code raises UnexpectedTracerError") from exc
 
 
+def _extra_kwargs(kv_segment_ids, sinks) -> dict:
+  """The keys' segment ids and the sinks as keywords, where the case has them:
+  an implementation that takes neither is called as before they existed."""
+  extra = {} if kv_segment_ids is None else {"kv_segment_ids": kv_segment_ids}
+  return extra if sinks is None else dict(extra, sinks=sinks)
+
+
 def _vjp_fn(impl: Implementation, case: Case, omit=()):
   kwargs = impl.call_kwargs(case)
   for name in omit:
     kwargs.pop(name)
   return_lse = kwargs["return_lse"]
 
-  def run(q, k, v, segment_ids, temperature, dout, dlse):
-    def f(q, k, v):
-      return impl.fn(q, k, v, segment_ids=segment_ids, temperature=temperature, **kwargs)
-    primal, vjp = jax.vjp(f, q, k, v)
-    if return_lse:
-      out, lse = primal
-      dq, dk, dv = vjp((dout, dlse))
-    else:
-      out, lse = primal, None
-      dq, dk, dv = vjp(dout)
-    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+  def run(q, k, v, segment_ids, temperature, dout, dlse, kv_segment_ids=None, sinks=None):
+    def f(q, k, v, *sinks_arg):
+      extra = _extra_kwargs(kv_segment_ids, sinks_arg[0] if sinks_arg else None)
+      return impl.fn(q, k, v, segment_ids=segment_ids, temperature=temperature, **extra,
+                     **kwargs)
+    primal, vjp = jax.vjp(f, q, k, v, *(() if sinks is None else (sinks,)))
+    grads = vjp((dout, dlse) if return_lse else dout)
+    out, lse = primal if return_lse else (primal, None)
+    result = {"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+    if sinks is not None:
+      result["dsinks"] = grads[3]
+    return result
 
   return run
 
@@ -134,8 +142,9 @@ def _vjp_fn(impl: Implementation, case: Case, omit=()):
 def _forward_fn(impl: Implementation, case: Case):
   kwargs = impl.call_kwargs(case)
 
-  def run(q, k, v, segment_ids, temperature):
-    result = impl.fn(q, k, v, segment_ids=segment_ids, temperature=temperature, **kwargs)
+  def run(q, k, v, segment_ids, temperature, kv_segment_ids=None, sinks=None):
+    result = impl.fn(q, k, v, segment_ids=segment_ids, temperature=temperature,
+                     **_extra_kwargs(kv_segment_ids, sinks), **kwargs)
     out, lse = result if kwargs["return_lse"] else (result, None)
     return {"out": out, "lse": lse}
 
@@ -153,11 +162,22 @@ def _forward_executable(impl: Implementation, case: Case, args):
 
 
 def _args(inputs: dict, float64: bool):
+  """(q, k, v, segment_ids, temperature, dout, dlse, kv_segment_ids, sinks):
+  the VJP's arguments; _forward_args the plain call's."""
   cast = (lambda x: jnp.asarray(np.asarray(x, np.float64))) if float64 else jnp.asarray
   opt = lambda x: None if x is None else jnp.asarray(x)
   dlse = np.asarray(inputs["dlse"], np.float64 if float64 else np.float32)
+  sinks = inputs.get("sinks")
+  sinks = None if sinks is None else jnp.asarray(
+      np.asarray(sinks, np.float64 if float64 else np.float32))
   return (cast(inputs["q"]), cast(inputs["k"]), cast(inputs["v"]), opt(inputs["segment_ids"]),
-          opt(inputs["temperature"]), cast(inputs["dout"]), jnp.asarray(dlse))
+          opt(inputs["temperature"]), cast(inputs["dout"]), jnp.asarray(dlse),
+          opt(inputs.get("kv_segment_ids")), sinks)
+
+
+def _forward_args(args):
+  """The plain call's arguments out of _args': all but dout and dlse."""
+  return args[:5] + args[7:]
 
 
 def _as_numpy(result: dict) -> dict:
@@ -168,7 +188,7 @@ def evaluate_forward(impl: Implementation, case: Case, inputs: dict | None = Non
   """Outputs of a plain call (no VJP traced), which a custom_vjp computes
   through its primal function rather than its fwd rule."""
   inputs = make_inputs(case) if inputs is None else inputs
-  args = _args(inputs, float64=False)[:5]
+  args = _forward_args(_args(inputs, float64=False))
   return _as_numpy(_call(_forward_executable(impl, case, args), args))
 
 
@@ -206,8 +226,8 @@ def _reference_args(case: Case, inputs: dict, float64: bool):
   device = harness_device() if float64 else None
   if device is not None:
     args = jax.device_put(args, device)
-  if not case.return_lse:
-    args = args[:6] + (jnp.zeros_like(args[6]),)  # no cotangent on an lse the case ignores
+  if not case.return_lse:  # no cotangent on an lse the case ignores
+    args = args[:6] + (jnp.zeros_like(args[6]),) + args[7:]
   return args
 
 
@@ -269,7 +289,7 @@ def prepare(impl: Implementation, case: Case) -> None:
   with x64(impl_x64):
     args = _args(inputs, float64=False)
   jobs = [(_vjp_executable, (impl, case, args), impl_x64, True),
-          (_forward_executable, (impl, case, args[:5]), impl_x64, True),
+          (_forward_executable, (impl, case, _forward_args(args)), impl_x64, True),
           (_reference_executable, (case, oracle_args, True), True, False),
           (_reference_executable, (case, reference_args, False), reference_x64(False), False)]
   futures = [_POOL.submit(build, fn, *a, in_x64=flag, run=run) for fn, a, flag, run in jobs]

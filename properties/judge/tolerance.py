@@ -30,11 +30,11 @@ import numpy as np
 
 from . import error_terms, reductions
 
-OUTPUTS = ("out", "lse", "dq", "dk", "dv")
+OUTPUTS = ("out", "lse", "dq", "dk", "dv", "dsinks")
 
 # Calibrated in docs/TOLERANCES.md (properties/judge/calibrate.py); FLOOR is two unit
 # roundoffs of a 16-bit dtype and four of float32's ("Tighter floors" there).
-ALPHA = {"out": 4.0, "lse": 4.0, "dq": 4.0, "dk": 4.0, "dv": 4.0}
+ALPHA = {"out": 4.0, "lse": 4.0, "dq": 4.0, "dk": 4.0, "dv": 4.0, "dsinks": 4.0}
 FLOOR = {"float32": 4 * 2.0 ** -24, "bfloat16": 2 * 2.0 ** -8, "float16": 2 * 2.0 ** -11,
          "float64": 4 * 2.0 ** -52}
 # An absolute floor per element: what a float32 kernel that flushes subnormal

@@ -22,15 +22,22 @@ as attributes of the callable:
 
 Nothing else whose name starts with ``ua_`` is accepted: a misspelt
 declaration is an error, not a silently wider test.
+
+A callable whose signature takes no ``q_offset`` keyword (nor ``**kwargs``)
+is judged on queries and keys of one length (features ``q_offset`` and
+``kv_length``); none taking ``kv_segment_ids`` or ``sinks``, without those:
+such a call could not be made, and a kernel written before the contract had
+them keeps the verdict it had (docs/PLUGINS.md, "What the signature says").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Any, Callable
 
-from .case import FEATURES, Case
+from .case import FEATURES, KEYWORD_FEATURES, Case
 
 DTYPES = ("float32", "bfloat16", "float16")
 KNOWN_ATTRIBUTES = ("ua_unsupported", "ua_dtypes", "ua_head_dims", "ua_block_sizes",
@@ -68,6 +75,18 @@ class Implementation:
   seq_len_multiple: int = 1
   unsharded: str | None = None  # module:function of the same op on one device
   declared_head_dims: tuple[int, ...] = ()  # ua_head_dims when a collection
+  # The features in ``unsupported`` because the signature takes no keyword for them.
+  unsigned: frozenset = frozenset()
+
+  def lacks(self, features) -> str:
+    """Why ``features`` (all in ``unsupported``) are not drawn, in words."""
+    features = set(features)
+    declared, unsigned = sorted(features - self.unsigned), sorted(features & self.unsigned)
+    parts = [f"declares {declared} unsupported"] if declared else []
+    if unsigned:
+      keywords = sorted(k for k, fs in KEYWORD_FEATURES.items() if set(fs) & set(unsigned))
+      parts.append(f"takes no {' or '.join(keywords)} keyword (so not {unsigned})")
+    return " and ".join(parts)
 
   def head_dim_choices(self, wanted: tuple[int, ...]) -> tuple[int, ...]:
     """The head dims to draw where a profile wants ``wanted`` (repeats weight
@@ -84,7 +103,7 @@ class Implementation:
     """None if the case is within the declarations, else why not."""
     missing = case.features() & self.unsupported
     if missing:
-      return f"declares {sorted(missing)} unsupported"
+      return self.lacks(missing)
     if case.dtype not in self.dtypes:
       return f"declares dtypes {self.dtypes}, not {case.dtype}"
     if not self.head_dims(case.head_dim):
@@ -110,6 +129,8 @@ class Implementation:
                   cap_method=case.cap_method, cap_params=case.cap_params,
                   sm_scale=case.sm_scale, z_loss_weight=case.z_loss_weight,
                   return_lse=case.return_lse)
+    if case.q_offset is not None:  # else the contract's default, not passed
+      kwargs["q_offset"] = case.q_offset
     if case.tiles is not None and self.config is not None:
       kwargs["config"] = self.config(*case.tiles)
     return kwargs
@@ -169,7 +190,9 @@ def declare(name: str, fn: Callable) -> Implementation:
   if unsupported - set(FEATURES):
     raise CapabilityError(f"{name}.ua_unsupported names unknown features "
                           f"{sorted(unsupported - set(FEATURES))}; known: {FEATURES}")
-  kwargs["unsupported"] = unsupported
+  unsigned = _unsigned(fn)
+  kwargs["unsupported"] = unsupported | unsigned
+  kwargs["unsigned"] = unsigned - unsupported
   if hasattr(fn, "ua_dtypes"):
     dtypes = _names(name, "ua_dtypes", getattr(fn, "ua_dtypes"), "dtype names")
     if not dtypes or set(dtypes) - set(DTYPES):
@@ -210,6 +233,21 @@ def declare(name: str, fn: Callable) -> Implementation:
         raise CapabilityError(f"{name}.{attr} must be callable, got {getattr(fn, attr)!r}")
       kwargs[attr[3:]] = getattr(fn, attr)
   return Implementation(name, fn, **kwargs)
+
+
+def _unsigned(fn) -> frozenset:
+  """The features of the keywords ``fn``'s signature does not take
+  (case.KEYWORD_FEATURES); none where it takes ``**kwargs`` or has no signature
+  Python can read."""
+  try:
+    parameters = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return frozenset()
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+    return frozenset()
+  names = {p.name for p in parameters}
+  return frozenset(f for keyword, features in KEYWORD_FEATURES.items() if keyword not in names
+                   for f in features)
 
 
 # The peers' adapters' modules before properties/peers/ held them: case files

@@ -13,7 +13,14 @@ from typing import Any
 import numpy as np
 
 FEATURES = ("causal", "window", "segment_ids", "cap", "temperature", "z_loss",
-            "gqa", "lse")
+            "gqa", "lse", "kv_length", "q_offset", "kv_segment_ids", "sinks")
+# The features a keyword of the call carries: an implementation whose signature
+# takes no such keyword is judged without them (capabilities.declare).
+KEYWORD_FEATURES = {"q_offset": ("q_offset", "kv_length"),
+                    "kv_segment_ids": ("kv_segment_ids",), "sinks": ("sinks",)}
+SINKS = ("none", "normal", "large", "some_minus_inf", "minus_inf")
+# Largest |q_offset| a case file may hold (the contract's MAX_POSITION is 2^30).
+MAX_CASE_OFFSET = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +29,9 @@ class Case:
 
   ``tiles`` = (block_q, block_kv) is handed to an implementation that declares
   ``ua_config`` (docs/PLUGINS.md); None runs its own default tiles.
+  ``seq_len`` is the queries' length Tq; ``kv_seq_len`` the keys' (None: Tq);
+  ``q_offset`` the offset passed (None: none, the contract's default Tk - Tq);
+  ``sinks`` how the per-head sinks are drawn (inputs.py), "none" for no sinks.
   """
 
   batch: int
@@ -39,9 +49,28 @@ class Case:
   sm_scale: float | None = None
   z_loss_weight: float = 0.0
   return_lse: bool = False
-  distribution: str = "normal"    # normal | large | ties | saturating | offset
+  distribution: str = "normal"    # normal | large | ties | saturating | offset | sink_channel
   tiles: tuple[int, int] | None = None
   seed: int = 0
+  kv_seq_len: int | None = None
+  q_offset: int | None = None
+  sinks: str = "none"             # none | normal | large | some_minus_inf | minus_inf
+
+  @property
+  def tk(self) -> int:
+    """The keys' length."""
+    return self.seq_len if self.kv_seq_len is None else self.kv_seq_len
+
+  @property
+  def offset(self) -> int:
+    """Where query 0 sits among the keys: q_offset, or the contract's default."""
+    return self.tk - self.seq_len if self.q_offset is None else self.q_offset
+
+  @property
+  def passes_kv_segment_ids(self) -> bool:
+    """Whether the keys' own segment ids are passed: with segments, whenever
+    queries and keys are not one sequence (other lengths, or an offset)."""
+    return self.segments != "none" and (self.tk != self.seq_len or self.q_offset is not None)
 
   def features(self) -> set[str]:
     """The contract features this case exercises (for ua_unsupported)."""
@@ -62,6 +91,14 @@ class Case:
       out.add("gqa")
     if self.return_lse:
       out.add("lse")
+    if self.tk != self.seq_len:
+      out.add("kv_length")
+    if self.q_offset is not None:
+      out.add("q_offset")
+    if self.passes_kv_segment_ids:
+      out.add("kv_segment_ids")
+    if self.sinks != "none":
+      out.add("sinks")
     return out
 
   def groups(self) -> list[str]:
@@ -74,6 +111,9 @@ class Case:
     groups.append("head_dim:" + ("<=64" if d <= 64 else "65-128" if d <= 128 else ">128"))
     if self.segments != "none":
       groups.append(f"segment_ids:{self.segments}")
+    if self.tk != self.seq_len:
+      groups.append("kv_length:" + ("decode" if self.seq_len <= 16 else
+                                    "Tq<Tk" if self.seq_len < self.tk else "Tq>Tk"))
     return groups
 
   def static_key(self) -> tuple:
@@ -84,10 +124,18 @@ class Case:
     return dataclasses.astuple(dataclasses.replace(
         self, seed=0, distribution="normal",
         segments="packed" if self.segments != "none" else "none",
-        temperature="uniform" if full_size else self.temperature))
+        temperature="uniform" if full_size else self.temperature,
+        sinks="normal" if self.sinks != "none" else "none"))
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    """The fields, those of queries and keys of other lengths and of sinks
+    only where set: a case of one length without sinks keeps the file and
+    digest it had before they existed."""
+    data = dataclasses.asdict(self)
+    for name, default in _LATER_FIELDS.items():
+      if data[name] == default:
+        del data[name]
+    return data
 
   @classmethod
   def from_dict(cls, data: dict[str, Any]) -> "Case":
@@ -114,6 +162,14 @@ class Case:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         return f"{name} must be a positive int, got {value!r}"
+    for name in ("kv_seq_len", "q_offset"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        return f"{name} must be null or an int, got {value!r}"
+    if self.kv_seq_len is not None and self.kv_seq_len < 1:
+      return f"kv_seq_len must be null or a positive int, got {self.kv_seq_len!r}"
+    if self.q_offset is not None and abs(self.q_offset) > MAX_CASE_OFFSET:
+      return f"q_offset must be null or within +-{MAX_CASE_OFFSET}, got {self.q_offset!r}"
     if self.num_q_heads % self.num_kv_heads:
       return (f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
               f"({self.num_kv_heads})")
@@ -121,7 +177,9 @@ class Case:
              "segments": ("none", "packed", "random", "wide"),
              "temperature": ("none", "ones", "uniform", "signed", "extreme", "per_head",
                              "scalar"),
-             "distribution": ("normal", "large", "ties", "saturating", "offset")}
+             "distribution": ("normal", "large", "ties", "saturating", "offset",
+                              "sink_channel"),
+             "sinks": SINKS}
     for name, allowed in kinds.items():
       if getattr(self, name) not in allowed:
         return f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
@@ -153,6 +211,9 @@ class Case:
   def static_digest(self) -> str:
     """The digest of static_key: cases that share compiled executables share it."""
     return hashlib.sha1(repr(self.static_key()).encode()).hexdigest()[:12]
+
+
+_LATER_FIELDS = {"kv_seq_len": None, "q_offset": None, "sinks": "none"}
 
 
 @functools.lru_cache(maxsize=1)

@@ -26,7 +26,24 @@ INT32 = np.iinfo(np.int32)
 
 
 def _segments(rng, case: Case):
+  """(query ids [B, Tq], key ids [B, Tk] or None). With the keys' own ids
+  (Case.passes_kv_segment_ids) the documents are drawn over every position
+  queries and keys take (query i at key position i + offset), so a query
+  belongs to the document of its position, and both sides are cut from them."""
   b, t = case.batch, case.seq_len
+  if not case.passes_kv_segment_ids:
+    return _segment_rows(rng, case, b, t), None
+  if case.segments == "random":
+    return (rng.integers(0, 3, size=(b, t)).astype(np.int32),
+            rng.integers(0, 3, size=(b, case.tk)).astype(np.int32))
+  first = min(0, case.offset)
+  span = max(case.tk, case.offset + t) - first
+  ids = _segment_rows(rng, case, b, span)
+  start = case.offset - first
+  return ids[:, start:start + t], ids[:, -first:-first + case.tk]
+
+
+def _segment_rows(rng, case: Case, b: int, t: int):
   if case.segments == "random":
     return rng.integers(0, 3, size=(b, t)).astype(np.int32)
   rows = []
@@ -93,14 +110,14 @@ def _saturating(rng, case: Case):
   values scaled by 2^60 or 2^-60 (float16: unscaled): the ends of the range in
   which the forward's fixed exp2 shift (ua_kernels.tile_math.fixed_shift) must
   neither overflow nor underflow."""
-  b, t, hq, hkv, d = (case.batch, case.seq_len, case.num_q_heads,
-                      case.num_kv_heads, case.head_dim)
+  b, t, tk, hq, hkv, d = (case.batch, case.seq_len, case.tk, case.num_q_heads,
+                          case.num_kv_heads, case.head_dim)
   u = rng.normal(size=d)
   sign = rng.choice([-1.0, 1.0], size=(b, t, hq, 1))
   q = sign * 100.0 * u + 0.1 * rng.normal(size=(b, t, hq, d))
-  k = u + 0.1 * rng.normal(size=(b, t, hkv, d))
+  k = u + 0.1 * rng.normal(size=(b, tk, hkv, d))
   v_scale = 1.0 if case.dtype == "float16" else 2.0 ** float(rng.choice([-60, 60]))
-  return q, k, v_scale * rng.normal(size=(b, t, hkv, d))
+  return q, k, v_scale * rng.normal(size=(b, tk, hkv, d))
 
 
 # The offset distribution: each query row's logits (after sm_scale and temperature) share
@@ -118,8 +135,8 @@ def _offset(rng, case: Case, temperature):
   the last bits of the exp2 argument and of the lse (docs/DEFECTS.md, L1 and
   D32). The offset rides on the first column (k's is OFFSET_ANCHOR for every
   key, q's carries the offset), the spread on the others."""
-  b, t, hq, hkv, d = (case.batch, case.seq_len, case.num_q_heads,
-                      case.num_kv_heads, case.head_dim)
+  b, t, tk, hq, hkv, d = (case.batch, case.seq_len, case.tk, case.num_q_heads,
+                          case.num_kv_heads, case.head_dim)
   sm = case.sm_scale if case.sm_scale is not None else 1.0 / math.sqrt(d)
   lo, hi = OFFSET_RANGE
   offset = (rng.choice([-1.0, 1.0], size=(b, t, hq))
@@ -127,7 +144,7 @@ def _offset(rng, case: Case, temperature):
   temp = 1.0 if temperature is None else np.broadcast_to(temperature, (b, t, hq))
   first = offset / (temp * sm * OFFSET_ANCHOR)  # no temperature kind draws 0
   q = rng.normal(size=(b, t, hq, d))
-  k = rng.normal(size=(b, t, hkv, d))
+  k = rng.normal(size=(b, tk, hkv, d))
   # float16 holds at most 65504: a small temperature times a small scale would need
   # more, and gets a smaller offset.
   q[..., 0] = np.clip(first, -6e4, 6e4) if case.dtype == "float16" else first
@@ -136,7 +153,8 @@ def _offset(rng, case: Case, temperature):
 
 
 def make_inputs(case: Case) -> dict:
-  """q, k, v (case dtype), segment_ids, temperature, dout, dlse as numpy,
+  """q, k, v (case dtype), segment_ids, temperature, dout, dlse,
+  kv_segment_ids and sinks (None where the case has none) as numpy,
   read-only: the last few cases' are kept, since one oracle check asks for its
   inputs several times (the harness, the VJP, the plain call), and at T = 16k
   drawing them takes seconds (docs/VERIFICATION.md, "Where a case's seconds go")."""
@@ -153,28 +171,66 @@ def _drawn(case: Case) -> dict:
 
 
 def _draw(case: Case) -> dict:
+  """The inputs, drawn in one order: a case of one length without sinks draws
+  what it drew before keys of another length and sinks existed."""
   rng = np.random.default_rng(case.seed)
   dtype = DTYPES[case.dtype]
-  b, t, hq, hkv, d = (case.batch, case.seq_len, case.num_q_heads,
-                      case.num_kv_heads, case.head_dim)
+  b, t, tk, hq, hkv, d = (case.batch, case.seq_len, case.tk, case.num_q_heads,
+                          case.num_kv_heads, case.head_dim)
   if case.distribution == "saturating":
     q, k, v = (x.astype(dtype) for x in _saturating(rng, case))
   elif case.distribution == "offset":
     # The offset is of the logits as scaled: the temperature is drawn first.
     temp = _temperature(rng, case)
     q, k = (x.astype(dtype) for x in _offset(rng, case, temp))
-    v = rng.normal(size=(b, t, hkv, d)).astype(dtype)
+    v = rng.normal(size=(b, tk, hkv, d)).astype(dtype)
   else:
     q = _values(rng, (b, t, hq, d), case.distribution).astype(dtype)
-    k = _values(rng, (b, t, hkv, d), case.distribution).astype(dtype)
-    v = rng.normal(size=(b, t, hkv, d)).astype(dtype)
-  seg = None if case.segments == "none" else _segments(rng, case)
+    k = _values(rng, (b, tk, hkv, d), case.distribution).astype(dtype)
+    v = rng.normal(size=(b, tk, hkv, d)).astype(dtype)
+  seg, kv_seg = (None, None) if case.segments == "none" else _segments(rng, case)
   if case.distribution != "offset":
     temp = _temperature(rng, case)
   dout = rng.normal(size=(b, t, hq, d)).astype(dtype)
   dlse = rng.normal(size=(b, hq, t)).astype(np.float32)
+  sinks = _sinks(rng, case)
+  if case.distribution == "sink_channel":
+    q, k, sinks = _sink_channel(case, q, k, sinks)
   return {"q": q, "k": k, "v": v, "segment_ids": seg, "temperature": temp,
-          "dout": dout, "dlse": dlse}
+          "dout": dout, "dlse": dlse, "kv_segment_ids": kv_seg, "sinks": sinks}
+
+
+def _sink_channel(case: Case, q, k, sinks):
+  """Normal inputs whose last channel can carry each head's sink as a key's
+  logit (checks.sink_is_an_extra_key): the keys' last channel 0, the queries'
+  sink / sm_scale (rounded to the dtype); the sinks then sm_scale times that, in
+  float32, so that a key (0, ..., 0, 1) has exactly the sink as its logit."""
+  sm = case.sm_scale if case.sm_scale is not None else 1.0 / math.sqrt(case.head_dim)
+  limit = float(np.finfo(q.dtype).max) / 2 if q.dtype != DTYPES["bfloat16"] else 1e30
+  channel = np.clip(np.where(np.isfinite(sinks), sinks, 0.0) / sm, -limit, limit).astype(q.dtype)
+  q, k = q.copy(), k.copy()
+  q[..., -1] = channel
+  k[..., -1] = 0
+  sinks = np.where(np.isfinite(sinks), np.float32(sm) * channel.astype(np.float32), sinks)
+  return q, k, sinks.astype(np.float32)
+
+
+def _sinks(rng, case: Case):
+  """[Hq] float32 sinks, or None. "normal": about a row's lse (log Tk, give or
+  take the logits' scale), so a sink takes a share of the row; "large": ten
+  logit scales above it, so the sink takes most of it; "some_minus_inf": the
+  normal ones, every other head's -inf (no sink there); "minus_inf": all -inf."""
+  if case.sinks == "none":
+    return None
+  hq = case.num_q_heads
+  if case.sinks == "minus_inf":
+    return np.full((hq,), -np.inf, np.float32)
+  scale = min(logit_scale(case), 1e3)
+  spread = 10.0 if case.sinks == "large" else 0.0
+  sinks = math.log(case.tk) + scale * (spread + rng.normal(size=hq))
+  if case.sinks == "some_minus_inf":
+    sinks[::2] = -np.inf
+  return sinks.astype(np.float32)
 
 
 def logit_scale(case: Case) -> float:
@@ -184,5 +240,6 @@ def logit_scale(case: Case) -> float:
   # in the hundreds); caps of 24 give a fixed shift whose bounds are far apart.
   if case.distribution == "offset":  # the offsets' geometric middle, before temperature
     return math.sqrt(OFFSET_RANGE[0] * OFFSET_RANGE[1])
-  spread = {"normal": 1.0, "large": 8.0, "ties": 1.0, "saturating": 24.0}[case.distribution]
+  spread = {"normal": 1.0, "large": 8.0, "ties": 1.0, "saturating": 24.0,
+            "sink_channel": 1.0}[case.distribution]
   return abs(sm) * spread * math.sqrt(case.head_dim)

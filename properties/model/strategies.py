@@ -80,7 +80,7 @@ def undrawable(buckets: Buckets, impl: Implementation, require=frozenset(),
   unsupported = impl.unsupported
   missing = (set(require) | ({"cap"} if cap not in (None, "none") else set())) & unsupported
   if missing:
-    return f"{impl.name} declares {sorted(missing)} unsupported"
+    return f"{impl.name} {impl.lacks(missing)}"
   if cap is not None and not impl.supports_cap(cap):
     return f"{impl.name} declares cap method {cap!r} unsupported"
   if any_of and not [f for f in any_of if f not in unsupported and f not in forbid]:
@@ -134,6 +134,8 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
 
   t = impl.fit_seq_len(_seq_len(draw, buckets, tiles, rotation, multi_tile))
   long = t >= buckets.long_seq
+  tq, tk = _lengths(draw, impl, t, flag("kv_length"), rotation)
+  q_offset = _q_offset(draw, tq, tk, rotation) if flag("q_offset") else None
   head_pairs = [p for p in buckets.heads if not long or p[1] <= 2]
   if "gqa" in forced:
     head_pairs = [p for p in head_pairs if p[0] != p[1]]
@@ -167,11 +169,13 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
   sm_scale = choose([None, None, 0.5 / math.sqrt(d), 2.0 / math.sqrt(d), -1.0 / math.sqrt(d)])
 
   cap_method = _cap_method(impl, cap, flag, choose)
-  case = Case(batch=batch, seq_len=t, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+  sinks = choose(["normal", "large", "some_minus_inf"]) if flag("sinks") else "none"
+  case = Case(batch=batch, seq_len=tq, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
               dtype=dtype, causal=causal, window_len=window, segments=segments,
               temperature=temperature, sm_scale=sm_scale, z_loss_weight=z_loss,
               return_lse=return_lse, distribution=distribution, tiles=pair,
-              seed=draw(st.integers(0, 2 ** 31 - 1)))
+              seed=draw(st.integers(0, 2 ** 31 - 1)),
+              kv_seq_len=None if tk == tq else tk, q_offset=q_offset, sinks=sinks)
   # Cap parameters around the logits' own magnitude, so the cap is reached,
   # drawn apart for a two-sided cap: a large positive and a small negative
   # parameter (ratios to 30) put a row's logits on either side of saturation.
@@ -179,6 +183,35 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
   params = tuple(scale * choose([0.25, 0.5, 1.0, 2.0, 0.1, 3.0])
                  for _ in CAP_METHODS[cap_method].param_names)
   return dataclasses.replace(case, cap_method=cap_method, cap_params=params)
+
+
+DECODE_LENGTHS = (1, 2, 5, 8, 16)
+
+
+def _lengths(draw, impl: Implementation, t: int, other: bool, rotation: int):
+  """(Tq, Tk) from the drawn length ``t``: equal, or (``other``) a decode
+  step's few queries against ``t`` keys, a third as many queries (a chunk of
+  a prefill), or more queries than keys (cross-attention of a long query
+  against a short memory)."""
+  if not other:
+    return t, t
+  kinds = ["decode", "fewer queries"] + (["more queries"] if t > 1 else [])
+  kind = draw(st.sampled_from(_rotated(kinds, rotation)))
+  if kind == "decode":
+    tq = draw(st.sampled_from(_rotated([n for n in DECODE_LENGTHS if n < t] or [1], rotation)))
+    return impl.fit_seq_len(tq), t
+  if kind == "fewer queries":
+    return impl.fit_seq_len(max(1, t // 3)), t
+  return t, impl.fit_seq_len(max(1, t // 3))
+
+
+def _q_offset(draw, tq: int, tk: int, rotation: int) -> int:
+  """An explicit offset: the default's value given, a chunk's place in a
+  prefill (0, half way), queries before every key (rows without keys under a
+  causal mask) or past the last one."""
+  default = tk - tq
+  values = [default, 0, default // 2, -min(tq, 3), default + 5, -tq - 2]
+  return draw(st.sampled_from(_rotated(values, rotation)))
 
 
 def _cap_method(impl: Implementation, cap: str | None, flag, choose) -> str:
