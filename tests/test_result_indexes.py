@@ -15,7 +15,7 @@ import pytest
 from benchmarks import index
 
 ROOT = Path(__file__).resolve().parent.parent
-NEWEST_COLD = "h200/2026-12-05-aa6c9ed-campaign-gpu-1gpu-3min-cold.json.gz"
+NEWEST_COLD = "h200/2026-12-06-2dff5b0-campaign-gpu-1gpu-3min-cold.json.gz"
 
 
 def test_committed_summaries_are_current():
