@@ -75,7 +75,7 @@ def test_a_box_that_ends_before_the_declared_features_is_incomplete(tmp_path):
 def test_a_crash_counts_in_the_verdict(tmp_path):
   proc = _cli(tmp_path, "verify_main", "--impl", "outside_kernels:crashing_attention",
               "-n", "1", "--", "-k", "matches_oracle-float32 and not cap and not mask "
-              "and not long")
+              "and not long and not feature")
   assert proc.returncode == EXIT_FAIL and "FAIL: outside_kernels" in proc.stdout
 
 
@@ -84,7 +84,7 @@ def test_ctrl_c_keeps_the_running_case_and_says_it_was_interrupted(tmp_path):
   proc = subprocess.Popen(
       [sys.executable, "-c", "import sys; from properties.cli import verify_main; "
        "sys.exit(verify_main())", "--impl", "outside_kernels:hanging_attention", "-n", "0",
-       "--", "-k", "matches_oracle-float32 and not cap and not mask and not long"],
+       "--", "-k", "matches_oracle-float32 and not cap and not mask and not long and not feature"],
       cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   deadline = time.time() + 300
   running = []

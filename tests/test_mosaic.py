@@ -342,7 +342,9 @@ def test_backend_implementations_declare_what_they_run():
   mosaic = load_impl("ua_kernels.backends:mosaic_attention")
   assert mosaic.dtypes == ("bfloat16", "float16")
   assert mosaic.head_dims(256) and not mosaic.head_dims(320)
+  assert mosaic.unsupported == {"kv_length", "q_offset", "kv_segment_ids", "sinks"}
   triton = load_impl("ua_kernels.backends:triton_attention")
+  assert not triton.unsupported
   assert set(triton.dtypes) == {"float32", "bfloat16", "float16"}
   assert triton.config(16, 32).backend == "triton"
   rng = np.random.default_rng(1)

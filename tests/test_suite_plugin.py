@@ -55,7 +55,7 @@ def test_declared_tiles_expose_a_window_bound_defect_in_the_ci_profile(tmp_path)
 def test_a_crashing_case_is_reported_and_the_run_goes_on(tmp_path):
   proc, report = run_suite(tmp_path, "outside_kernels:crashing_attention",
                            "-n", "1", "-k", "matches_oracle and (float32 or float16) and not bfloat16 "
-                           "and not cap and not mask and not long")  # not the focused tests
+                           "and not cap and not mask and not long and not feature")  # not the focused tests
   assert proc.returncode == 1
   crashed = report["crashed"]
   assert len(crashed) == 2, report  # one per test: the worker was replaced after the first
@@ -69,7 +69,7 @@ def test_a_crashing_case_is_reported_and_the_run_goes_on(tmp_path):
 def test_a_hanging_case_is_ended_by_its_timeout(tmp_path):
   proc, report = run_suite(tmp_path, "outside_kernels:hanging_attention", "-n", "1",
                            "--ua-case-timeout=10", "-k",
-                           "matches_oracle and float32 and not cap and not mask and not long")
+                           "matches_oracle and float32 and not cap and not mask and not long and not feature")
   assert proc.returncode == 1
   assert [c["status"] for c in report["crashed"]] == ["timeout"], report
 
@@ -78,7 +78,7 @@ def test_a_hang_in_one_process_ends_the_run_with_the_failure_status_and_its_file
   """No worker to replace (-n 0, as on a TPU): the watchdog says which case hung
   and its replay, keeps its file (status timeout) and exits with FAIL's status."""
   proc, _ = run_suite(tmp_path, "outside_kernels:hanging_attention", "--ua-case-timeout=5",
-                      "-k", "matches_oracle and float32 and not cap and not mask and not long")
+                      "-k", "matches_oracle and float32 and not cap and not mask and not long and not feature")
   assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
   [path] = (tmp_path / "failures").glob("*.json")
   payload = load_case_file(path)

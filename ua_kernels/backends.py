@@ -49,6 +49,8 @@ mosaic_attention.ua_head_dims = lambda d: d <= mosaic_forward.MAX_HEAD_DIM
 # of 64 (dq's key tiles 128).
 mosaic_attention.ua_block_sizes = (64, 128)
 mosaic_attention.ua_cap_forms = cap_forms.fast_forms
+# Keys of another length, offsets, the keys' own ids and sinks run on Triton only.
+mosaic_attention.ua_unsupported = ("kv_length", "q_offset", "kv_segment_ids", "sinks")
 
 triton_attention.ua_dtypes = tuple(jnp.dtype(d).name for d in SUPPORTED_DTYPES)
 triton_attention.ua_block_sizes = attention.ua_block_sizes

@@ -297,6 +297,8 @@ def _on_devices(shards: int):
   sharded.ua_block_sizes = (16,)
   sharded.ua_dtypes = tuple(jnp.dtype(d).name for d in SUPPORTED_DTYPES)
   sharded.ua_unsharded = "ua_kernels:attention"  # checked against it, case by case
+  # One sequence sharded along its length: queries and keys of one length, no sinks.
+  sharded.ua_unsupported = ("kv_length", "q_offset", "kv_segment_ids", "sinks")
   return sharded
 
 

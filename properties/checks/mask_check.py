@@ -83,8 +83,8 @@ def _positions(xp, chunks, d):
 
 
 def _chunk_inputs(xp, case: Case, chunks, base: dict, with_lse: bool) -> dict:
-  b, t, hq, hkv, d = (case.batch, case.seq_len, case.num_q_heads, case.num_kv_heads,
-                      case.head_dim)
+  b, tq, tk, hq, hkv, d = (case.batch, case.seq_len, case.tk, case.num_q_heads,
+                           case.num_kv_heads, case.head_dim)
   dtype = DTYPES[case.dtype]
   rows = len(chunks)
   positions = _positions(xp, np.asarray(chunks), d)
@@ -93,30 +93,33 @@ def _chunk_inputs(xp, case: Case, chunks, base: dict, with_lse: bool) -> dict:
     temp = np.ones_like(np.asarray(temp, np.float32))
     if temp.ndim == 3:
       temp = np.tile(temp, (rows, 1, 1))
-  seg = None if base["segment_ids"] is None else np.tile(base["segment_ids"], (rows, 1))
-  k = _one_hot(xp, positions, b, t, hkv, dtype)
-  dlse = np.full((rows * b, hq, t), LSE_COTANGENT if with_lse else 0.0, np.float32)
-  return {"q": _one_hot(xp, positions, b, t, hq, dtype, QUERY_SCALE), "k": k, "v": k,
-          "segment_ids": seg, "temperature": temp,
-          "dout": _one_hot(xp, positions, b, t, hq, dtype), "dlse": dlse}
+  tiled = lambda x: None if x is None else np.tile(x, (rows, 1))
+  k = _one_hot(xp, positions, b, tk, hkv, dtype)
+  dlse = np.full((rows * b, hq, tq), LSE_COTANGENT if with_lse else 0.0, np.float32)
+  return {"q": _one_hot(xp, positions, b, tq, hq, dtype, QUERY_SCALE), "k": k, "v": k,
+          "segment_ids": tiled(base["segment_ids"]), "temperature": temp,
+          "kv_segment_ids": tiled(base["kv_segment_ids"]), "sinks": None,
+          "dout": _one_hot(xp, positions, b, tq, hq, dtype), "dlse": dlse}
 
 
 def _expected(xp, case: Case, seg, chunks):
-  """(query-major, key-major) [R, B or 1, T, 1, D] visible sets of each row's
-  key chunk: [r, b, i, 0, e] is whether query i sees key chunks[r]*D + e, and
-  whether query chunks[r]*D + e sees key i; False past T."""
-  t, d = case.seq_len, case.head_dim
+  """(query-major [R, B or 1, Tq, 1, D], key-major [R, B or 1, Tk, 1, D])
+  visible sets of each row's chunk: [r, b, i, 0, e] is whether query i sees
+  key chunks[r]*D + e (False past Tk), and whether query chunks[r]*D + e
+  (False past Tq) sees key i. ``seg``: (the queries' ids, the keys')."""
+  tq, tk, d = case.seq_len, case.tk, case.head_dim
   positions = _positions(xp, chunks, d)
   rows = positions.shape[0]
-  valid = (positions < t)[:, None, None, None, :]
-  flat = xp.minimum(positions, t - 1).reshape(-1)
-  args = (t, seg, case.causal, case.window_len)
-  by_query = xp.asarray(visible_keys(*args, keys=flat))  # [B', T, R*D]
-  by_key = xp.asarray(visible_keys(*args, queries=flat))  # [B', R*D, T]
+  mask = lambda **kw: xp.asarray(visible_keys(
+      tq, seg[0], case.causal, case.window_len, kv_seq_len=tk, kv_segment_ids=seg[1],
+      q_offset=case.offset, **kw))
+  by_query = mask(keys=xp.minimum(positions, tk - 1).reshape(-1))  # [B', Tq, R*D]
+  by_key = mask(queries=xp.minimum(positions, tq - 1).reshape(-1))  # [B', R*D, Tk]
   lead = by_query.shape[0]
-  by_query = xp.transpose(by_query.reshape(lead, t, rows, d), (2, 0, 1, 3))
-  by_key = xp.transpose(by_key.reshape(lead, rows, d, t), (1, 0, 3, 2))
-  return by_query[:, :, :, None, :] & valid, by_key[:, :, :, None, :] & valid
+  by_query = xp.transpose(by_query.reshape(lead, tq, rows, d), (2, 0, 1, 3))
+  by_key = xp.transpose(by_key.reshape(lead, rows, d, tk), (1, 0, 3, 2))
+  valid = lambda t: (positions < t)[:, None, None, None, :]
+  return by_query[:, :, :, None, :] & valid(tk), by_key[:, :, :, None, :] & valid(tq)
 
 
 def _counts(xp, case: Case, layouts: tuple, seg, chunks, kept, *outputs):
@@ -200,7 +203,7 @@ def mask_is_exact(impl, case: Case):
   exactly the keys ``visible_keys`` says (see the module doc)."""
   with_lse = "lse" not in impl.unsupported
   check_grads = with_lse and _gradients_encode_the_mask(case)
-  t, d = case.seq_len, case.head_dim
+  t, d = max(case.seq_len, case.tk), case.head_dim
   chunks = -(-t // d)
   per_call = max(1, min(chunks, ELEMENT_BUDGET // (case.batch * t * case.num_q_heads * d)))
   call_case = dataclasses.replace(case, batch=case.batch * per_call, return_lse=with_lse)
@@ -210,7 +213,8 @@ def mask_is_exact(impl, case: Case):
   xp = _xp()
   layouts = tuple(key_major for _, key_major in names)
   count = _count_fn(case, layouts)
-  seg = None if base["segment_ids"] is None else xp.asarray(base["segment_ids"])
+  seg = tuple(None if base[n] is None else xp.asarray(base[n])
+              for n in ("segment_ids", "kv_segment_ids"))
   for first in range(0, chunks, per_call):
     # A last call's spare rows repeat its last chunk; only the first ``kept`` count.
     group = np.array([min(c, chunks - 1) for c in range(first, first + per_call)])

@@ -167,7 +167,6 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
     # A z-loss's gradient, w * lse per logit, at lse 3e4 passes float16's range in dk.
     distribution = "large"
   sm_scale = choose([None, None, 0.5 / math.sqrt(d), 2.0 / math.sqrt(d), -1.0 / math.sqrt(d)])
-
   cap_method = _cap_method(impl, cap, flag, choose)
   sinks = choose(["normal", "large", "some_minus_inf"]) if flag("sinks") else "none"
   case = Case(batch=batch, seq_len=tq, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
@@ -176,9 +175,14 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
               return_lse=return_lse, distribution=distribution, tiles=pair,
               seed=draw(st.integers(0, 2 ** 31 - 1)),
               kv_seq_len=None if tk == tq else tk, q_offset=q_offset, sinks=sinks)
-  # Cap parameters around the logits' own magnitude, so the cap is reached,
-  # drawn apart for a two-sided cap: a large positive and a small negative
-  # parameter (ratios to 30) put a row's logits on either side of saturation.
+  return _with_cap(case, cap_method, choose)
+
+
+def _with_cap(case: Case, cap_method: str, choose) -> Case:
+  """``case`` with its cap, the parameters around the logits' own magnitude,
+  so the cap is reached, drawn apart for a two-sided cap: a large positive and
+  a small negative parameter (ratios to 30) put a row's logits on either side
+  of saturation."""
   scale = logit_scale(case)
   params = tuple(scale * choose([0.25, 0.5, 1.0, 2.0, 0.1, 3.0])
                  for _ in CAP_METHODS[cap_method].param_names)

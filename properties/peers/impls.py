@@ -107,7 +107,9 @@ def splash_attention(q, k, v, **kwargs):
   return attention(q, k, v, **kwargs)
 
 
-splash_attention.ua_unsupported = ("temperature", "z_loss")
+# Its adapter maps none of Tq != Tk, offsets, the keys' ids or sinks yet (docs/PEERS.md).
+splash_attention.ua_unsupported = ("temperature", "z_loss", "kv_length", "q_offset",
+                                   "kv_segment_ids", "sinks")
 splash_attention.ua_cap_methods = ("tanh",)  # attn_logits_soft_cap: c * tanh(x / c)
 # float16 does not compile on a TPU v5e (Mosaic: "Invalid vector type for load"; docs/PEERS.md).
 splash_attention.ua_dtypes = ("float32", "bfloat16")
