@@ -123,11 +123,13 @@ def _delta(spec: StaticSpec, out, dout, lse2, dlse):
 
 
 def _backward(spec: StaticSpec, config: KernelConfig, backends: Backends, q, k, v, seg, temp,
-              out, shift, low, dout, dlse, keys: KeyBlock | None = None):
+              out, shift, low, dout, dlse, keys: KeyBlock | None = None, delta=None):
   """(dq, dk, dv); ``shift`` and ``low`` as _forward returns them; ``config``
-  is effective (effective_config)."""
+  is effective (effective_config); ``delta``: _delta's, where the caller
+  needs it too (d sinks), else computed here."""
   config.require_filled("ua_kernels.attention's backward")
-  delta = _delta(spec, out, dout, _lse2(spec, temp, shift, low), dlse)
+  if delta is None:
+    delta = _delta(spec, out, dout, _lse2(spec, temp, shift, low), dlse)
   fast_cap = cap_forms.fast_cap(spec, q.dtype)
   if backends.backward == "mosaic":
     return mosaic_backward.backward(spec, config.mosaic, q, k, v, seg, temp, shift, delta, dout,
@@ -177,11 +179,14 @@ def _attention_bwd(spec, config, backends, residuals, cotangents):
   q, k, v, seg, temp, keys, sinks, out, shift, low = residuals
   dout, dlse = cotangents
   backward = _first_order_only(functools.partial(_backward, spec, config, backends))
-  dq, dk, dv = backward(q, k, v, seg, temp, out, shift, low, dout, dlse, keys)
-  dsinks = None
-  if sinks is not None:
+  if sinks is None:
+    dq, dk, dv = backward(q, k, v, seg, temp, out, shift, low, dout, dlse, keys)
+    dsinks = None
+  else:  # one delta for the kernels and d sinks
     lse2 = _lse2(spec, temp, shift, low)
-    dsinks = _dsinks(sinks, lse2, _delta(spec, out, dout, lse2, dlse)).astype(sinks.dtype)
+    delta = _delta(spec, out, dout, lse2, dlse)
+    dq, dk, dv = backward(q, k, v, seg, temp, out, shift, low, dout, dlse, keys, delta)
+    dsinks = _dsinks(sinks, lse2, delta).astype(sinks.dtype)
   # segment_ids, temperature and the key block receive no gradient (docs/SEMANTICS.md).
   return dq, dk, dv, None, None, None, dsinks
 
