@@ -2,7 +2,6 @@
 (through an adapter that declares what it lacks) pass its properties, drawn
 from the same registry as the suite's own tests."""
 
-import dataclasses
 
 import pytest
 from hypothesis import given, settings
@@ -36,7 +35,8 @@ def test_plugin_passes(name, prop, tmp_path):
 
 def test_adapter_declares_what_it_lacks():
   impl = load_impl("properties.peers.impls:jax_nn_attention")
-  assert impl.unsupported == {"segment_ids", "cap", "temperature", "z_loss", "lse"}
+  assert impl.unsupported == {"segment_ids", "cap", "temperature", "z_loss", "lse",
+                              "kv_segment_ids", "sinks"}
   cudnn = load_impl("properties.peers.impls:jax_nn_cudnn")
   assert cudnn.dtypes == ("bfloat16", "float16") and not cudnn.head_dims(256)
   with pytest.raises(ValueError, match="module:function"):
@@ -65,3 +65,20 @@ def test_the_worked_example_of_plugins_md_runs_from_its_text(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
   assert "PASS: my_attention:attention" in proc.stdout
   assert "head_dim:>128" in proc.stdout and "head_dim:<=64" not in proc.stdout
+
+
+@pytest.mark.parametrize("tq, tk, q_offset, window", [(1, 37, None, 0), (40, 21, None, 5),
+                                                      (12, 29, -15, 0), (9, 20, 30, 4)])
+def test_the_jax_nn_adapter_places_queries_at_their_offset(tq, tk, q_offset, window):
+  """jax.nn's own masks align the first query with the first key; the adapter
+  passes the contract's (rows without keys included: 0, not jax.nn's mean of v)."""
+  import jax.numpy as jnp
+  import numpy as np
+  import ua_reference
+  from properties.peers.impls import jax_nn_attention
+  rng = np.random.default_rng(tq)
+  q = jnp.asarray(rng.normal(size=(2, tq, 2, 16)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(2, tk, 2, 16)), jnp.float32) for _ in range(2))
+  kw = dict(causal=True, window_len=window, q_offset=q_offset)
+  np.testing.assert_allclose(np.asarray(jax_nn_attention(q, k, v, **kw)),
+                             np.asarray(ua_reference.attention(q, k, v, **kw)), atol=2e-6)

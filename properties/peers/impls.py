@@ -16,32 +16,57 @@ _NO_CONTRACT_EXTRAS = {"segment_ids", "cap", "temperature", "z_loss", "lse"}
 def _jax_nn(implementation):
   def attention(q, k, v, *, segment_ids=None, causal=False, window_len=0, cap_method="none",
                 cap_params=(), temperature=None, sm_scale=None, z_loss_weight=0.0,
-                return_lse=False):
+                return_lse=False, q_offset=None):
     if (segment_ids is not None or cap_method != "none" or temperature is not None
         or z_loss_weight or return_lse):
       raise NotImplementedError(f"jax.nn.dot_product_attention[{implementation}] declares "
                                 "these unsupported")
-    t = q.shape[1]
-    # Contract window: key j visible iff j > i - window_len (left side only).
-    local = (window_len - 1, t) if window_len > 0 else None
+    tq, tk = q.shape[1], k.shape[1]
     dtype = q.dtype
     if (implementation == "xla" and dtype in (jnp.float16, jnp.bfloat16)
         and jax.default_backend() == "cpu"):
       # XLA:CPU has no 16-bit x 16-bit -> float32 dot algorithm for this op.
       q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    out = jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=causal,
-                                       local_window_size=local, implementation=implementation)
+    if q_offset is None and tq == tk:
+      # Contract window: key j visible iff j > i - window_len (left side only).
+      local = (window_len - 1, tq) if window_len > 0 else None
+      out = jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=causal,
+                                         local_window_size=local,
+                                         implementation=implementation)
+    else:
+      out = _jax_nn_offset(implementation, q, k, v, sm_scale, causal, window_len, q_offset)
     return out.astype(dtype)
   return attention
+
+
+def _jax_nn_offset(implementation, q, k, v, sm_scale, causal, window_len, q_offset):
+  """Queries at key positions i + q_offset (default Tk - Tq): jax.nn's own
+  causal and local masks align the first query with the first key, so the
+  contract's mask is passed as ``mask``. A row whose mask hides every key gets
+  the mean of v from jax.nn (its masked logits are a large finite negative);
+  the contract's row without keys is 0, which the adapter returns there."""
+  tq, tk = q.shape[1], k.shape[1]
+  offset = tk - tq if q_offset is None else q_offset
+  i = jnp.arange(tq)[:, None] + offset
+  j = jnp.arange(tk)[None, :]
+  mask = jnp.ones((tq, tk), bool)
+  if causal:
+    mask = mask & (j <= i)
+  if window_len > 0:
+    mask = mask & (j > i - window_len)
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], scale=sm_scale,
+                                     implementation=implementation)
+  return jnp.where(jnp.any(mask, axis=1)[None, :, None, None], out, 0.0)
 
 
 jax_nn_attention = _jax_nn("xla")
 jax_nn_attention.__doc__ = """``jax.nn.dot_product_attention`` (XLA).
 
-It has no segment ids, caps, temperature or z-loss; its lse (``return_residual``)
-is rounded to the input dtype and carries no gradient, so ``lse`` is a contract
-difference too."""
-jax_nn_attention.ua_unsupported = _NO_CONTRACT_EXTRAS
+It has no segment ids, caps, temperature, z-loss or sinks; its lse
+(``return_residual``) is rounded to the input dtype and carries no gradient, so
+``lse`` is a contract difference too. Queries and keys of other lengths and
+offsets: the contract's mask, passed as ``mask`` (_jax_nn_offset)."""
+jax_nn_attention.ua_unsupported = _NO_CONTRACT_EXTRAS | {"kv_segment_ids", "sinks"}
 
 jax_nn_cudnn = _jax_nn("cudnn")
 jax_nn_cudnn.__doc__ = """``jax.nn.dot_product_attention`` through cuDNN (GPU only).
@@ -50,7 +75,10 @@ As the XLA path, and: cuDNN takes a window only together with causal (jax raises
 "cuDNN doesn't support right window" otherwise), which the declarations cannot
 say, so windows are declared unsupported; 16-bit inputs; head dims multiples
 of 8 up to 128 (cuDNN's flash attention)."""
-jax_nn_cudnn.ua_unsupported = _NO_CONTRACT_EXTRAS | {"window"}
+# Queries and keys of other lengths and offsets go through a dense mask on the XLA path
+# only: cuDNN's is not run here (docs/PEERS.md).
+jax_nn_cudnn.ua_unsupported = _NO_CONTRACT_EXTRAS | {"window", "kv_length", "q_offset",
+                                                     "kv_segment_ids", "sinks"}
 jax_nn_cudnn.ua_dtypes = ("bfloat16", "float16")
 jax_nn_cudnn.ua_head_dims = lambda d: d % 8 == 0 and d <= 128
 
