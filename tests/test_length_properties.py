@@ -152,8 +152,17 @@ def test_a_kernel_without_the_keywords_is_judged_on_one_length():
   def narrow(q, k, v, *, segment_ids=None, causal=False, window_len=0):
     return ua_reference.attention(q, k, v, segment_ids=segment_ids, causal=causal)
 
-  assert declare("plain", plain).unsupported == frozenset()  # **kwargs takes them all
-  impl = declare("narrow", narrow)
-  assert {"kv_length", "q_offset", "kv_segment_ids", "sinks"} <= impl.unsupported
+  def swallowing(q, k, v, **unsupported):  # **kwargs names no keyword
+    return ua_reference.attention(q, k, v, **unsupported)
+
+  import functools
+  wrapped = functools.wraps(ua_reference.attention)(lambda *a, **kw: None)
+  new = {"kv_length", "q_offset", "kv_segment_ids", "sinks"}
+  for fn in (plain, narrow, swallowing):
+    impl = declare(fn.__name__, fn)
+    assert new <= impl.unsupported and impl.unsigned == new, fn.__name__
   assert "takes no" in impl.lacks({"sinks"}) and "declares" not in impl.lacks({"sinks"})
   assert get("sink_is_an_extra_key").unsupported_by(impl)
+  assert not declare("wrapped", wrapped).unsupported  # functools.wraps: its target's keywords
+  assert not declare("triton", __import__("ua_kernels.backends").backends.triton_attention
+                     ).unsupported

@@ -9,6 +9,7 @@ capability declarations that say what it runs (docs/PLUGINS.md).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax.numpy as jnp
 
@@ -52,6 +53,9 @@ mosaic_attention.ua_cap_forms = cap_forms.fast_forms
 # Keys of another length, offsets, the keys' own ids and sinks run on Triton only.
 mosaic_attention.ua_unsupported = ("kv_length", "q_offset", "kv_segment_ids", "sinks")
 
+# It takes every keyword of the op it forces (the suite reads a callable's signature
+# for the keywords of Tq != Tk, offsets and sinks; docs/PLUGINS.md).
+triton_attention.__signature__ = inspect.signature(attention)
 triton_attention.ua_dtypes = tuple(jnp.dtype(d).name for d in SUPPORTED_DTYPES)
 triton_attention.ua_block_sizes = attention.ua_block_sizes
 triton_attention.ua_config = lambda bq, bkv: dataclasses.replace(_config_for_tiles(bq, bkv),

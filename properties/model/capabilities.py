@@ -23,11 +23,13 @@ as attributes of the callable:
 Nothing else whose name starts with ``ua_`` is accepted: a misspelt
 declaration is an error, not a silently wider test.
 
-A callable whose signature takes no ``q_offset`` keyword (nor ``**kwargs``)
-is judged on queries and keys of one length (features ``q_offset`` and
-``kv_length``); none taking ``kv_segment_ids`` or ``sinks``, without those:
-such a call could not be made, and a kernel written before the contract had
-them keeps the verdict it had (docs/PLUGINS.md, "What the signature says").
+A callable whose signature names no ``q_offset`` keyword is judged on
+queries and keys of one length (features ``q_offset`` and ``kv_length``);
+none naming ``kv_segment_ids`` or ``sinks``, without those. ``**kwargs``
+names none (it often swallows what a kernel declares unsupported); a wrapper
+made with ``functools.wraps`` has its target's signature. A kernel written
+before the contract had them keeps the verdict it had (docs/PLUGINS.md, "What
+the signature says").
 """
 
 from __future__ import annotations
@@ -236,16 +238,14 @@ def declare(name: str, fn: Callable) -> Implementation:
 
 
 def _unsigned(fn) -> frozenset:
-  """The features of the keywords ``fn``'s signature does not take
-  (case.KEYWORD_FEATURES); none where it takes ``**kwargs`` or has no signature
-  Python can read."""
+  """The features of the keywords ``fn``'s signature does not name
+  (case.KEYWORD_FEATURES; ``**kwargs`` names none); none where it has no
+  signature Python can read."""
   try:
     parameters = inspect.signature(fn).parameters.values()
   except (TypeError, ValueError):
     return frozenset()
-  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-    return frozenset()
-  names = {p.name for p in parameters}
+  names = {p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD}
   return frozenset(f for keyword, features in KEYWORD_FEATURES.items() if keyword not in names
                    for f in features)
 
