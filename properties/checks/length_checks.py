@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..judge.runner import Harness, _args, _call, _executable, evaluate
+from ..judge.runner import Harness, _args, _call, _executable, _extra_kwargs, evaluate
 from ..judge.tolerance import compare
 from ..model.case import Case
 from ..model.inputs import make_inputs
@@ -134,10 +134,8 @@ def _split_fn(impl, case: Case, cut: int):
     kv_ids = kv_segment_ids if kv_segment_ids is not None else segment_ids
 
     def block(q, k, v, kw, ids, sinks_arg):
-      extra = {} if ids is None else {"kv_segment_ids": ids}
-      if sinks_arg is not None:
-        extra["sinks"] = sinks_arg
-      return impl.fn(q, k, v, segment_ids=segment_ids, temperature=temperature, **extra, **kw)
+      return impl.fn(q, k, v, segment_ids=segment_ids, temperature=temperature,
+                     **_extra_kwargs(ids, sinks_arg), **kw)
 
     def merged(q, k, v, *s):
       ids = (None, None) if kv_ids is None else (kv_ids[:, :cut], kv_ids[:, cut:])

@@ -45,15 +45,10 @@ def _jax_nn_offset(implementation, q, k, v, sm_scale, causal, window_len, q_offs
   contract's mask is passed as ``mask``. A row whose mask hides every key gets
   the mean of v from jax.nn (its masked logits are a large finite negative);
   the contract's row without keys is 0, which the adapter returns there."""
+  from ua_reference import visible_keys
   tq, tk = q.shape[1], k.shape[1]
-  offset = tk - tq if q_offset is None else q_offset
-  i = jnp.arange(tq)[:, None] + offset
-  j = jnp.arange(tk)[None, :]
-  mask = jnp.ones((tq, tk), bool)
-  if causal:
-    mask = mask & (j <= i)
-  if window_len > 0:
-    mask = mask & (j > i - window_len)
+  mask = visible_keys(tq, None, causal, window_len, kv_seq_len=tk,
+                      q_offset=tk - tq if q_offset is None else q_offset)[0]
   out = jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], scale=sm_scale,
                                      implementation=implementation)
   return jnp.where(jnp.any(mask, axis=1)[None, :, None, None], out, 0.0)
