@@ -356,7 +356,7 @@ def print_feature_ratios(rows):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__)
-  parser.add_argument("--set", default="quick", choices=sorted([*CONFIGS, "features"]))
+  parser.add_argument("--set", default="quick", choices=sorted([*CONFIGS, "features", "decode"]))
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--no-peers", action="store_true")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
@@ -385,6 +385,16 @@ def main(argv=None):
   if options.cases is not None and not selected:
     parser.error(f"--cases {options.cases!r} names none of the set {options.set!r}'s cases")
   header = provenance(argv)
+  if options.set == "decode":  # its own rows: forward GB/s, and the sinks' cost
+    from benchmarks import decode
+    rows = decode.decode_rows(options, time_interleaved, peers=not options.no_peers)
+    _write(options.json, header, rows)
+    rows += decode.sink_rows(options, time_interleaved, _fwd_bwd)
+    _write(options.json, header, rows)
+    print(f"date={header['measured'][:10]} device={header['gpu']} commit={header['commit']} "
+          + " ".join(f"{k}={v}" for k, v in header["versions"].items()))
+    decode.print_rows(rows)
+    return
   rows = feature_rows(options) if options.set == "features" else []
   for label, (b, t, hq, hkv, d, causal, window, cap, doc) in selected:
     rng = np.random.default_rng(0)

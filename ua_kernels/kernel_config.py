@@ -35,6 +35,11 @@ class KernelConfig:
   cannot run is an error).
   The backward runs on the forward's backend where that backend's backward
   supports the call (ua_kernels.mosaic.backward), else on Pallas-Triton.
+
+  ``kv_splits``: the Pallas-Triton forward cuts the keys into this many
+  ranges, one program each, and combines their partial softmaxes (split-K);
+  the table takes more than 1 for decode, where one query tile per head
+  leaves the GPU idle (ua_kernels.triton.tuned.kv_splits).
   """
 
   block_q: int | None = None
@@ -47,6 +52,7 @@ class KernelConfig:
   num_stages: int | None = None
   num_warps_bwd: int | None = None
   num_stages_bwd: int | None = None
+  kv_splits: int | None = None
   interpret: bool | None = None
   backend: str = "auto"
   mosaic: MosaicTiles = MosaicTiles()
@@ -73,6 +79,11 @@ class KernelConfig:
                                 or value < 1):
         raise ValueError(f"KernelConfig.{field} must be an int >= 1 or None (tuned), "
                          f"got {value!r}")
+    if self.kv_splits is not None and (isinstance(self.kv_splits, bool)
+                                       or not isinstance(self.kv_splits, int)
+                                       or self.kv_splits < 1):
+      raise ValueError(f"KernelConfig.kv_splits must be an int >= 1 or None (tuned), "
+                       f"got {self.kv_splits!r}")
     if self.interpret is not None and not isinstance(self.interpret, bool):
       raise TypeError(
           f"KernelConfig.interpret must be a bool or None, got {self.interpret!r}")

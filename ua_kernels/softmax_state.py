@@ -136,3 +136,27 @@ def _rescaled(correction, x):
     return x
   return correction * x if x.ndim == 1 else along_rows(correction, x) * x
 
+
+def combine_splits(out, shift, low, scale: float, with_low: bool, sink=None):
+  """(out, shift, low) of one softmax from S partial ones over disjoint key
+  ranges (split-K), as finalize would give them for all the keys at once:
+  ``out`` [S, B, T, H, D] float32 and ``shift``, ``low`` [S, B, H, T] as
+  finalize(with_low=True) leaves each split. Each split weighs by its share of
+  the row's mass, 2^((shift - max) * scale + low); ``sink`` [H] (scores'
+  units) joins the mass with a value of zero, as with_sink does."""
+  m = jnp.max(shift, axis=0)
+  if sink is not None:
+    sink = sink[None, :, None]
+    m = jnp.maximum(m, sink)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  mass = jnp.where(shift == -jnp.inf, 0.0, jnp.exp2((shift - m_safe) * scale + low))
+  total = jnp.sum(mass, axis=0)
+  if sink is not None:
+    total = total + jnp.exp2((sink - m_safe) * scale)
+  has_key = total > 0
+  share = mass / jnp.where(has_key, total, 1.0)  # [S, B, H, T]
+  out = jnp.sum(jnp.transpose(share, (0, 1, 3, 2))[..., None] * out, axis=0)
+  log_l = jnp.log2(jnp.where(has_key, total, 1.0))
+  if with_low:
+    return out, jnp.where(has_key, m, -jnp.inf), jnp.where(has_key, log_l, 0.0)
+  return out, jnp.where(has_key, m + log_l * (1.0 / scale), -jnp.inf), None

@@ -493,6 +493,12 @@ class Tiles:
   def hi(self):
     return self.bounds[-1]
 
+  def clipped(self, lo, hi) -> "Tiles":
+    """The same sub-ranges narrowed to the tiles [lo, hi) (a split of the
+    keys, triton.launch's split-K forward): the bounds are monotonic, so
+    clipping each clips every sub-range, empty ones included."""
+    return Tiles(tuple(jnp.minimum(jnp.maximum(b, lo), hi) for b in self.bounds), self.masks)
+
 
 def _has_unmasked_interior(spec: StaticSpec, padded: bool, uniform) -> bool:
   """Tiles wholly inside the causal/window band, and with segment ids inside

@@ -8,11 +8,14 @@ stages."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from ua_reference.contract import StaticSpec
 
 from ..kernel_config import KernelConfig
+from ..mosaic.common import multiprocessors
 
 _BWD_64 = dict(block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                num_warps_bwd=4, num_stages_bwd=2)
@@ -20,8 +23,39 @@ _STAGES_2 = dict(num_stages=2, num_stages_bwd=2)
 _WARPS_8 = dict(num_warps=8, num_warps_bwd=8)
 
 
+# Split-K (kv_splits): decode only (the queries fit one tile), each split at
+# least this many key tiles, and about this many programs per multiprocessor.
+DECODE_MAX_QUERIES = 16
+MIN_TILES_PER_SPLIT = 4
+PROGRAMS_PER_MULTIPROCESSOR = 2
+
+
+def _clipped(block: int, t: int) -> int:
+  return min(block, max(16, 1 << max(t - 1, 0).bit_length()))
+
+
+def kv_splits(spec: StaticSpec, block_q: int, block_kv: int) -> int:
+  """How many key ranges the forward splits into: 1 unless a decode call's
+  programs (one per query tile and head) would leave multiprocessors idle;
+  then enough splits for PROGRAMS_PER_MULTIPROCESSOR programs each, none
+  shorter than MIN_TILES_PER_SPLIT tiles. docs/BENCHMARKS.md, "Decode"."""
+  if spec.seq_len > DECODE_MAX_QUERIES:
+    return 1
+  q_tiles = -(-spec.seq_len // _clipped(block_q, spec.seq_len))
+  programs = q_tiles * spec.batch * spec.num_q_heads
+  tiles = -(-spec.kv_seq_len // _clipped(block_kv, spec.kv_seq_len))
+  wanted = -(-PROGRAMS_PER_MULTIPROCESSOR * multiprocessors() // programs)
+  return max(1, min(wanted, tiles // MIN_TILES_PER_SPLIT))
+
+
 def triton_config(spec: StaticSpec, dtype) -> KernelConfig:
-  """Every Pallas-Triton field (blocks, warps, stages) of the table; ``mosaic`` unset."""
+  """Every Pallas-Triton field (blocks, warps, stages, kv_splits) of the table;
+  ``mosaic`` unset."""
+  config = _tiles(spec, dtype)
+  return dataclasses.replace(config, kv_splits=kv_splits(spec, config.block_q, config.block_kv))
+
+
+def _tiles(spec: StaticSpec, dtype) -> KernelConfig:
   if jnp.dtype(dtype) == jnp.float32 and spec.head_dim > 128:
     return KernelConfig(block_q=64, block_kv=32, block_q_dq=32, block_kv_dq=32,
                         block_q_dkv=32, block_kv_dkv=32, **_WARPS_8, **_STAGES_2)
