@@ -122,30 +122,33 @@ pallas_triton_mha.ua_dtypes = ("bfloat16", "float16")
 pallas_triton_mha.ua_block_sizes = (64, 128)
 
 
-def splash_attention(q, k, v, **kwargs):
+def splash_attention(q, k, v, *, kv_segment_ids=None, q_offset=None, sinks=None, **kwargs):
   """JAX's Pallas-TPU splash attention (``jax.experimental.pallas.ops.tpu.
   splash_attention``) behind the contract: on a TPU its compiled kernels, else
-  its interpret mode (properties/peers/impls_splash.py holds the mapping)."""
+  its interpret mode (properties/peers/impls_splash.py holds the mapping). Its
+  signature names the keywords of Tq != Tk, offsets, the keys' ids and sinks,
+  which the suite draws only for a callable that names them (docs/PLUGINS.md)."""
   from .impls_splash import attention
-  return attention(q, k, v, **kwargs)
+  return attention(q, k, v, kv_segment_ids=kv_segment_ids, q_offset=q_offset, sinks=sinks,
+                   **kwargs)
 
 
-# Its adapter maps none of Tq != Tk, offsets, the keys' ids or sinks yet (docs/PEERS.md).
-splash_attention.ua_unsupported = ("temperature", "z_loss", "kv_length", "q_offset",
-                                   "kv_segment_ids", "sinks")
+splash_attention.ua_unsupported = ("temperature", "z_loss")
 splash_attention.ua_cap_methods = ("tanh",)  # attn_logits_soft_cap: c * tanh(x / c)
 # float16 does not compile on a TPU v5e (Mosaic: "Invalid vector type for load"; docs/PEERS.md).
 splash_attention.ua_dtypes = ("float32", "bfloat16")
 splash_attention.ua_block_sizes = (128,)  # its default block sizes; T padded to them
 
 
-def splash_attention_highest(q, k, v, **kwargs):
+def splash_attention_highest(q, k, v, *, kv_segment_ids=None, q_offset=None, sinks=None,
+                             **kwargs):
   """splash attention with its kernels traced under
   ``jax.default_matmul_precision("highest")``, forward and backward, which
   Mosaic lowers to fp32 contract precision: at the default, its float32 products
   take one bfloat16 pass (docs/PEERS.md, "splash attention")."""
   from .impls_splash import attention
-  return attention(q, k, v, precision="highest", **kwargs)
+  return attention(q, k, v, kv_segment_ids=kv_segment_ids, q_offset=q_offset, sinks=sinks,
+                   precision="highest", **kwargs)
 
 
 for _name in ("ua_unsupported", "ua_cap_methods", "ua_block_sizes"):
