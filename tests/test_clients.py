@@ -121,3 +121,50 @@ def test_splash_attention_highest_traces_both_directions_at_highest_precision():
   plain, highest = dots(splash_attention), dots(splash_attention_highest)
   assert plain[0] >= 5 and plain[1] == 0  # forward, dq and dkv kernels' products
   assert highest[0] == plain[0] and highest[1] >= highest[0]  # both operands of each
+
+
+@pytest.mark.parametrize("tq, tk, options", [
+    (5, 300, dict(causal=True, window_len=70, sinks=True)),         # decode-like, GQA 2/1
+    (64, 200, dict(causal=True, q_offset=-10)),                    # ten rows without keys
+    (20, 150, dict(causal=True, segments=True)),                   # the keys' own ids
+], ids=["window-sinks", "rows-without-keys", "kv-segment-ids"])
+def test_splash_takes_other_lengths_offsets_the_keys_ids_and_sinks(tq, tk, options):
+  """The splash adapter's Tq != Tk, offsets, keys' ids and sinks (interpret
+  mode, float32 at highest): out, lse and every gradient, d sinks with lse's
+  cotangent, against the reference; a row without keys, which splash leaves
+  the mean of v, is the contract's out 0 and lse -inf."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import ua_reference
+  from properties.peers.impls import splash_attention
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(2, tq, 2, 128)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(2, tk, 1 if options.get("sinks") else 2, 128)),
+                      jnp.float32) for _ in range(2))
+  options = dict(options)
+  args = (q, k, v)
+  if options.pop("sinks", False):
+    args += (jnp.asarray([0.5, -1.0], jnp.float32),)
+  if options.pop("segments", False):
+    options["segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (2, tq))), jnp.int32)
+    options["kv_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 3, (2, tk))), jnp.int32)
+
+  def grads(fn):
+    def loss(*a):
+      out, lse = fn(*a[:3], return_lse=True, **options, **({"sinks": a[3]} if len(a) > 3 else {}))
+      weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+      return jnp.sum(out * weights) + 0.3 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)), \
+          (out, lse)
+    with jax.default_matmul_precision("highest"):
+      return jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True)(*args)
+
+  (got, (out, lse)), (want, (out_r, lse_r)) = grads(splash_attention), \
+      grads(ua_reference.attention)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_r))
+  if "q_offset" in options:
+    assert np.isneginf(np.asarray(lse)[:, :, :10]).all() and not np.asarray(out)[:, :10].any()
+  finite = np.isfinite(np.asarray(lse_r))
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_r)[finite], atol=1e-5)
+  for x, y in ((out, out_r), *zip(got, want)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5, rtol=1e-5)
