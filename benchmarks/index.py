@@ -431,6 +431,11 @@ INDEXES = (
                  "`ua-verify --impl properties.peers.impls:splash_attention --profile tpu`"),
             Kind("splash-highest-tpu", "tpu", r"-splash-highest-tpu",
                  "`ua-verify --impl properties.peers.impls:splash_attention_highest --profile tpu`"),
+            Kind("splash-lengths-sinks-tpu", "tpu", r"-splash-lengths-sinks-tpu",
+                 "the same, `-k \"kv_length or sinks or queries_equal or key_blocks or "
+                 "mask_is_exact\"` (Tq != Tk, offsets, sinks)"),
+            Kind("splash-highest-lengths-sinks-tpu", "tpu", r"-splash-highest-lengths-sinks-tpu",
+                 "splash_attention_highest, the same selection"),
             Kind("tpu-other", "tpu", r".", "any other run on a TPU"),
             Kind("splash-ci", "cpu", r"-splash-ci",
                  "`ua-verify --impl properties.peers.impls:splash_attention --profile ci` (interpret mode)"),
