@@ -387,8 +387,8 @@ def main(argv=None):
   header = provenance(argv)
   if options.set == "decode":  # its own rows: forward GB/s, and the sinks' cost
     from benchmarks import decode
-    rows = decode.decode_rows(options, time_interleaved, peers=not options.no_peers)
-    _write(options.json, header, rows)
+    rows = decode.decode_rows(options, time_interleaved, peers=not options.no_peers,
+                              written=lambda rows: _write(options.json, header, rows))
     rows += decode.sink_rows(options, time_interleaved, _fwd_bwd)
     _write(options.json, header, rows)
     print(f"date={header['measured'][:10]} device={header['gpu']} commit={header['commit']} "

@@ -69,8 +69,9 @@ def _config_row(q, k, **kw) -> dict:
   return {**dataclasses.asdict(config), **backends_for(spec, config, q.dtype)._asdict()}
 
 
-def decode_rows(options, time_interleaved, peers: bool = True) -> list:
-  """One row per (shape, implementation): forward ms and K/V GB/s."""
+def decode_rows(options, time_interleaved, peers: bool = True, written=None) -> list:
+  """One row per (shape, implementation): forward ms and K/V GB/s; ``written``
+  (rows -> None) is called after each shape, so that a run cut short keeps them."""
   rows = []
   dtype = jnp.dtype(options.dtype)
   for b, tq, tk, hq, hkv, d in DECODE_SHAPES:
@@ -96,6 +97,8 @@ def decode_rows(options, time_interleaved, peers: bool = True) -> list:
       else:
         row.update(fwd_ms=result, kv_gbps=kv_bytes / result / 1e6)
       rows.append(row)
+    if written is not None:
+      written(rows)
   return rows
 
 
