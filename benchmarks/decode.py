@@ -5,8 +5,9 @@ Decode rows: Tq of 1 and 8 queries against Tk of 4k, 32k and 128k keys, GQA
 the same work for every peer: jax.nn's causal mask aligns the first query with
 the first key, the contract the last with the last). Decode reads the cache
 once per call, so each row gives the K/V bandwidth, GB/s, beside the time.
-Implementations: ua_kernels as it dispatches (split-K by its table,
-ua_kernels.triton.tuned.kv_splits), the same with kv_splits=1, cuDNN and XLA
+Implementations: ua_kernels as it dispatches (split keys and packed GQA heads
+by its table, ua_kernels.triton.tuned), the same without each and without
+either (the plain forward), cuDNN and XLA
 through jax.nn.dot_product_attention, and tokamax where installed: its
 Pallas-Triton kernel at its own config and with split_k, and its Mosaic GPU
 kernel. Sinks rows: one call with and without sinks, forward and
@@ -32,7 +33,7 @@ from ua_reference.contract import validate_call
 DECODE_SHAPES = [(1, tq, tk, 32, 8, 128) for tq in (1, 8) for tk in (4096, 32768, 131072)]
 DECODE_SHAPES += [(8, 1, 32768, 32, 8, 128)]
 # tokamax's Pallas-Triton kernel splits the keys by vmap (split_k); these are tried.
-TOKAMAX_SPLITS = (8, 32)
+TOKAMAX_SPLITS = (16,)
 # (B, Tq, Tk, H, D, causal): a prefill and a decode call, with and without sinks.
 SINK_SHAPES = [(4, 4096, 4096, 16, 128, True), (1, 1, 32768, 32, 128, False)]
 
@@ -78,9 +79,11 @@ def decode_rows(options, time_interleaved, peers: bool = True, written=None) -> 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(b, tq, hq, d)), dtype)
     k, v = (jnp.asarray(rng.normal(size=(b, tk, hkv, d)), dtype) for _ in range(2))
-    impls = {"ua_kernels": ua_kernels.attention,
-             "ua_kernels[kv_splits=1]": functools.partial(
-                 ua_kernels.attention, config=KernelConfig(kv_splits=1))}
+    impls = {"ua_kernels": ua_kernels.attention}
+    for name, config in (("kv_splits=1", KernelConfig(kv_splits=1)),
+                         ("pack_gqa=False", KernelConfig(pack_gqa=False)),
+                         ("neither", KernelConfig(kv_splits=1, pack_gqa=False))):
+      impls[f"ua_kernels[{name}]"] = functools.partial(ua_kernels.attention, config=config)
     if peers:
       for impl in ("cudnn", "xla"):
         impls[f"jax.nn.dpa[{impl}]"] = functools.partial(jax.nn.dot_product_attention,

@@ -25,7 +25,7 @@ attention_module = sys.modules["ua_kernels.attention"]
 
 TRITON_FIELDS = ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_q_dkv",
                  "block_kv_dkv", "num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd",
-                 "kv_splits")
+                 "kv_splits", "pack_gqa")
 
 # (head dim, dtype, options): each row of the table.
 SHAPES = [
@@ -92,7 +92,7 @@ def test_partial_mosaic_tiles_take_the_rest_from_the_table(d):
 def test_a_full_config_is_kept_as_it_is():
   spec = _spec(128, jnp.bfloat16, {})
   full = KernelConfig(32, 16, 16, 32, 32, 16, num_warps=2, num_stages=1, num_warps_bwd=4,
-                      num_stages_bwd=2, kv_splits=1, backend="triton",
+                      num_stages_bwd=2, kv_splits=1, pack_gqa=False, backend="triton",
                       mosaic=MosaicTiles(128, 64, 3, 128, 64, 128, 64, 3, False, True))
   assert not full.unset()
   assert effective_config(spec, jnp.bfloat16, full) is full

@@ -17,7 +17,7 @@ import ua_reference
 from ua_kernels import KernelConfig
 from ua_kernels.softmax_state import combine_splits
 from ua_kernels.tile_math import TileMask, Tiles
-from ua_kernels.triton import launch, tuned
+from ua_kernels.triton import decode, tuned
 from ua_reference.contract import validate_call
 
 
@@ -124,22 +124,25 @@ def _options(options, rng, b, tq, tk, hq):
   return options
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["split", "split-packed"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"Tq{c[0]}-Tk{c[1]}-{sorted(c[6])}")
-def test_a_split_forward_is_as_close_to_the_reference_as_an_unsplit_one(case):
-  """Out within twice the unsplit kernel's error plus one rounding of the
-  dtype, lse within float32 rounding, the same rows without keys; gradients
-  through the split forward's residuals as close as the unsplit ones'."""
+def test_the_decode_forward_is_as_close_to_the_reference_as_the_plain_one(case, pack):
+  """triton.decode's forward (split keys; packed GQA heads where the case has
+  a group) against the plain kernel (kv_splits=1, no packing): out within
+  twice its error plus one rounding of the dtype, lse within float32
+  rounding, the same rows without keys; gradients through the decode
+  forward's residuals as close as through the plain one's."""
   tq, tk, hq, hkv, d, dtype, options, splits = case
   q, k, v, rng = _inputs(2, tq, tk, hq, hkv, d, dtype)
   options = _options(options, rng, 2, tq, tk, hq)
   tiles = KernelConfig(block_q=16, block_kv=16)
   spec = validate_call(q, k, v, **options).spec
-  config = dataclasses.replace(tiles, kv_splits=splits)
-  assert launch._splits(spec, config, launch._layout(spec, config.filled(
-      tuned.triton_config(spec, dtype)))) == splits  # the split path runs
-  run = lambda s: ua_kernels.attention(q, k, v, return_lse=True, **options,
-                                       config=dataclasses.replace(tiles, kv_splits=s))
-  (out_1, lse_1), (out_s, lse_s) = run(1), run(splits)
+  decoded = dataclasses.replace(tiles, kv_splits=splits, pack_gqa=pack)
+  plain = dataclasses.replace(tiles, kv_splits=1, pack_gqa=False)
+  assert decode.splits(spec, decoded.filled(tuned.triton_config(spec, dtype))) == splits
+  assert not decode.applies(spec, plain.filled(tuned.triton_config(spec, dtype)))
+  run = lambda config: ua_kernels.attention(q, k, v, return_lse=True, **options, config=config)
+  (out_1, _), (out_s, lse_s) = run(plain), run(decoded)
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
   out_r, lse_r = ua_reference.attention(*f32, return_lse=True, **options)
   eps = float(jnp.finfo(dtype).eps)
@@ -158,15 +161,24 @@ def test_a_split_forward_is_as_close_to_the_reference_as_an_unsplit_one(case):
           jnp.where(jnp.isfinite(lse), lse, 0.0))
     return jax.grad(loss, argnums=(0, 1, 2))(*qkv)
 
-  split = grads(lambda *a, **kw: ua_kernels.attention(
-      *a, config=dataclasses.replace(tiles, kv_splits=splits), **kw), q, k, v)
-  unsplit = grads(lambda *a, **kw: ua_kernels.attention(
-      *a, config=dataclasses.replace(tiles, kv_splits=1), **kw), q, k, v)
+  through = lambda config: grads(
+      lambda *a, **kw: ua_kernels.attention(*a, config=config, **kw), q, k, v)
   reference = grads(ua_reference.attention, *f32)
-  for name, s, u, r in zip(("dq", "dk", "dv"), split, unsplit, reference):
+  for name, s, u, r in zip(("dq", "dk", "dv"), through(decoded), through(plain), reference):
     s, u, r = (np.asarray(x, np.float32) for x in (s, u, r))
     bound = 2 * np.max(np.abs(u - r)) + eps * np.max(np.abs(r))
     assert np.max(np.abs(s - r)) <= bound, name
+
+
+def test_packing_alone_takes_the_decode_forward():
+  """pack_gqa without splits runs triton.decode (one split) where there is a
+  group, and the plain forward where there is none."""
+  q = jax.ShapeDtypeStruct((1, 4, 8, 32), jnp.bfloat16)
+  kv = lambda h: jax.ShapeDtypeStruct((1, 64, h, 32), jnp.bfloat16)
+  config = KernelConfig(block_q=16, block_kv=16, kv_splits=1, pack_gqa=True)
+  for heads, packs in ((2, True), (8, False)):
+    spec = validate_call(q, kv(heads), kv(heads)).spec
+    assert decode.applies(spec, config.filled(tuned.triton_config(spec, jnp.bfloat16))) == packs
 
 
 def test_kv_splits_is_validated():
@@ -184,4 +196,10 @@ def test_splits_run_out_with_the_key_tiles():
   spec = validate_call(q, k, k).spec
   config = KernelConfig(block_q=16, block_kv=16, kv_splits=5).filled(
       tuned.triton_config(spec, jnp.float32))
-  assert launch._splits(spec, config, launch._layout(spec, config)) == 4
+  assert decode.splits(spec, config) == 4
+
+
+def test_the_table_packs_gqa_heads_for_decode_only():
+  assert tuned.triton_config(_spec(1, 8, 32768, 32, 8), jnp.bfloat16).pack_gqa
+  assert not tuned.triton_config(_spec(1, 8, 32768, 32, 32), jnp.bfloat16).pack_gqa
+  assert not tuned.triton_config(_spec(1, 4096, 4096, 32, 8), jnp.bfloat16).pack_gqa

@@ -26,6 +26,7 @@ from .kernel_config import KernelConfig
 from .mosaic import backward as mosaic_backward
 from .mosaic import forward as mosaic_forward
 from .tile_math import LN2, exp2_scale
+from .triton import decode as triton_decode
 from .triton import launch as triton_launch
 from .triton.launch import KeyBlock
 from .tuned_configs import effective_config
@@ -103,8 +104,8 @@ def _forward(spec: StaticSpec, config: KernelConfig, backends: Backends, q, k, v
   if backends.forward == "mosaic":
     return (*mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp, fast_cap=fast_cap),
             None)
-  return triton_launch.forward(spec, config, q, k, v, seg, temp, keys, fast_cap=fast_cap,
-                               sinks=sinks)
+  launch = triton_decode if triton_decode.applies(spec, config) else triton_launch
+  return launch.forward(spec, config, q, k, v, seg, temp, keys, fast_cap=fast_cap, sinks=sinks)
 
 
 def _delta(spec: StaticSpec, out, dout, lse2, dlse):

@@ -39,7 +39,9 @@ class KernelConfig:
   ``kv_splits``: the Pallas-Triton forward cuts the keys into this many
   ranges, one program each, and combines their partial softmaxes (split-K);
   the table takes more than 1 for decode, where one query tile per head
-  leaves the GPU idle (ua_kernels.triton.tuned.kv_splits).
+  leaves the GPU idle (ua_kernels.triton.tuned.kv_splits). ``pack_gqa``: that
+  forward packs a GQA group's query heads as the rows of one tile, so that
+  its keys are read once for the group (ua_kernels.triton.decode).
   """
 
   block_q: int | None = None
@@ -53,6 +55,7 @@ class KernelConfig:
   num_warps_bwd: int | None = None
   num_stages_bwd: int | None = None
   kv_splits: int | None = None
+  pack_gqa: bool | None = None
   interpret: bool | None = None
   backend: str = "auto"
   mosaic: MosaicTiles = MosaicTiles()
@@ -84,6 +87,9 @@ class KernelConfig:
                                        or self.kv_splits < 1):
       raise ValueError(f"KernelConfig.kv_splits must be an int >= 1 or None (tuned), "
                        f"got {self.kv_splits!r}")
+    if self.pack_gqa is not None and not isinstance(self.pack_gqa, bool):
+      raise TypeError(f"KernelConfig.pack_gqa must be a bool or None (tuned), "
+                      f"got {self.pack_gqa!r}")
     if self.interpret is not None and not isinstance(self.interpret, bool):
       raise TypeError(
           f"KernelConfig.interpret must be a bool or None, got {self.interpret!r}")

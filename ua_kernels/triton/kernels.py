@@ -61,9 +61,13 @@ class _QueryTile(NamedTuple):
   offset: jax.Array | None
 
 
-def _query_tile(q_ref, seg_ref, temp_ref, offset_ref, block_q, splits: int = 1) -> _QueryTile:
+def _query_tile(q_ref, seg_ref, temp_ref, offset_ref, block_q, splits: int = 1,
+                rows_per_position: int = 1) -> _QueryTile:
   start = (pl.program_id(0) // splits) * block_q  # programs of one tile: its key splits
-  return _QueryTile(start, q_ref[...], positions(start, block_q),
+  pos = positions(start, block_q)
+  if rows_per_position > 1:  # a GQA group's heads packed as rows (triton.decode)
+    pos = pos // rows_per_position
+  return _QueryTile(start, q_ref[...], pos,
                     _segment_tile(seg_ref, start, block_q),
                     None if temp_ref is None else temp_ref[...], _offset(offset_ref))
 
@@ -90,15 +94,18 @@ def _value_tile(v_ref, kv_block, block_kv):
 
 def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, offset_ref,
                    sink_ref, o_ref, shift_ref, low_ref=None, *, spec: StaticSpec, block_q: int,
-                   block_kv: int, padded: bool, fast_cap: bool, splits: int = 1):
+                   block_kv: int, padded: bool, fast_cap: bool, splits: int = 1,
+                   rows_per_position: int = 1):
   """One query tile of one head: o = softmax(logits) @ v and each row's
   statistics, shift and (given ``low_ref``) low: SoftmaxState.finalize.
   ``kseg_ref``: the keys' own segment ids, ``offset_ref``: _offset's block,
   where the keys are another block of the sequence (None: the queries');
   ``sink_ref``: the head's sink logit, a [16] row of one value (or None).
   ``splits`` > 1: program i visits only split i % splits of the key tiles,
-  a partial softmax that triton.launch combines (split-K)."""
-  qt = _query_tile(q_ref, seg_ref, temp_ref, offset_ref, block_q, splits)
+  a partial softmax that triton.decode combines (split-K);
+  ``rows_per_position`` > 1: row r holds position r // rows_per_position (a
+  GQA group's query heads packed as rows, triton.decode)."""
+  qt = _query_tile(q_ref, seg_ref, temp_ref, offset_ref, block_q, splits, rows_per_position)
   key_seg_ref = seg_ref if kseg_ref is None else kseg_ref
   shift = fixed_shift(spec, q_ref.dtype, temp_ref is not None)
 
@@ -107,8 +114,13 @@ def forward_kernel(q_ref, k_ref, v_ref, seg_ref, span_ref, temp_ref, kseg_ref, o
                           masked)
     return state.update(logits, _value_tile(v_ref, kv_block, block_kv), shift)
 
-  tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
-                   *_segment_span(span_ref, qt.start, block_q), delta=qt.offset)
+  if rows_per_position > 1:  # the tile's positions, first to last
+    first = qt.start // rows_per_position
+    count = (qt.start + block_q - 1) // rows_per_position + 1 - first
+    tiles = kv_tiles(spec, first, count, block_kv, padded, delta=qt.offset)
+  else:
+    tiles = kv_tiles(spec, qt.start, block_q, block_kv, padded,
+                     *_segment_span(span_ref, qt.start, block_q), delta=qt.offset)
   if splits > 1:
     chunk = -(-(-(-spec.kv_seq_len // block_kv)) // splits)
     split = pl.program_id(0) % splits

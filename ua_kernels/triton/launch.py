@@ -20,8 +20,6 @@ from .. import fast_math
 from ..kernel_config import KernelConfig
 from ..padding import pad as _pad
 from ..segment_spans import segment_ranges
-from ..softmax_state import combine_splits
-from ..tile_math import LOG2E, exp2_scale
 from . import kernels
 
 def _next_pow2(n: int) -> int:
@@ -174,14 +172,6 @@ def _sink_rows(sinks):
   return rows, pl.BlockSpec((None, 16), lambda i, bi, h: (h, 0))
 
 
-def _splits(spec: StaticSpec, config: KernelConfig, layout: _Layout) -> int:
-  """config.kv_splits, fewer where the keys' tiles run out: every split
-  holds ceil(tiles / kv_splits) tiles, the last one the rest."""
-  tiles = -(-spec.kv_seq_len // layout.blocks["block_kv"])
-  per_split = -(-tiles // config.kv_splits)
-  return -(-tiles // per_split)
-
-
 def forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
             keys: KeyBlock | None, *, fast_cap: bool, sinks=None):
   """(out, shift, low): the rows' statistics of SoftmaxState.finalize, low
@@ -191,10 +181,6 @@ def forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
   q, k, v, seg, spans, temp, layout = _prepare(
       spec, config, q, k, v, seg, temp, None if keys is None else keys.segment_ids)
   key_inputs, key_specs = _key_block_inputs(keys, layout.kv_pad)
-  if (splits := _splits(spec, config, layout)) > 1:
-    out, shift, low = _split_forward(spec, config, layout, splits, (q, k, v, seg, spans, temp),
-                                     key_inputs, key_specs, fast_cap, sinks)
-    return out[:, :t, :, :d].astype(q.dtype), shift[:, :, :t], low if low is None else low[:, :, :t]
   bq, bkv = layout.blocks["block_q"], layout.blocks["block_kv"]
   kernel = functools.partial(kernels.forward_kernel, spec=spec, block_q=bq,
                              block_kv=bkv, padded=layout.padded,
@@ -213,40 +199,6 @@ def forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp,
       name="ua_forward",
   )
   return out[:, :t, :, :d], shift[:, :, :t], low[0][:, :, :t] if low else None
-
-
-def _split_forward(spec, config, layout, splits, inputs, key_inputs, key_specs, fast_cap, sinks):
-  """The forward as ``splits`` programs per query tile, each over its range of
-  key tiles (kernels.forward_kernel's ``splits``), their float32 partials
-  combined by SoftmaxState's combine_splits, the sinks there too: decode's
-  few query tiles would leave most multiprocessors idle (tuned.kv_splits)."""
-  q, k, v, seg, spans, temp = inputs
-  b, _, hq, _ = q.shape
-  bq, bkv, head_dim = layout.blocks["block_q"], layout.blocks["block_kv"], layout.head_dim
-  kernel = functools.partial(kernels.forward_kernel, spec=spec, block_q=bq, block_kv=bkv,
-                             padded=layout.padded, fast_cap=fast_cap, splits=splits)
-  group = spec.group_size
-  tile = pl.BlockSpec((None, bq, None, head_dim), lambda i, bi, h: (bi, i // splits, h, 0))
-  whole_kv = pl.BlockSpec((None, layout.kv_pad, None, head_dim),
-                          lambda i, bi, h: (bi, 0, h // group, 0))
-  row = pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i // splits))
-  part = pl.BlockSpec((None, None, bq, None, head_dim),
-                      lambda i, bi, h: (i % splits, bi, i // splits, h, 0))
-  part_row = pl.BlockSpec((None, None, None, bq), lambda i, bi, h: (i % splits, bi, h, i // splits))
-  rows = jax.ShapeDtypeStruct((splits, b, hq, layout.q_pad), jnp.float32)
-  out, shift, low = _pallas_call(
-      config, (q, k, v, seg, spans, temp, *key_inputs, None), kernel,
-      grid=(layout.q_pad // bq * splits, b, hq),
-      in_specs=[tile, whole_kv, whole_kv, *_segment_specs(seg, spans, layout.q_pad),
-                None if temp is None else row, *key_specs, None],
-      out_specs=[part, part_row, part_row],
-      out_shape=[jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32), rows, rows],
-      compiler_params=_compiler_params(config),
-      name="ua_forward_split_k",
-  )
-  scale = exp2_scale(spec, temp is not None)
-  sink = None if sinks is None else sinks.astype(jnp.float32) * (LOG2E / scale)
-  return combine_splits(out, shift, low, scale, keeps_low(q.dtype), sink)
 
 
 def backward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, shift, low, delta,

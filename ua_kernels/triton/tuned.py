@@ -49,10 +49,17 @@ def kv_splits(spec: StaticSpec, block_q: int, block_kv: int) -> int:
 
 
 def triton_config(spec: StaticSpec, dtype) -> KernelConfig:
-  """Every Pallas-Triton field (blocks, warps, stages, kv_splits) of the table;
+  """Every Pallas-Triton field (blocks, warps, stages, kv_splits, pack_gqa) of the table;
   ``mosaic`` unset."""
   config = _tiles(spec, dtype)
-  return dataclasses.replace(config, kv_splits=kv_splits(spec, config.block_q, config.block_kv))
+  return dataclasses.replace(config, kv_splits=kv_splits(spec, config.block_q, config.block_kv),
+                             pack_gqa=pack_gqa(spec))
+
+
+def pack_gqa(spec: StaticSpec) -> bool:
+  """Whether the decode forward packs a GQA group's query heads as rows: for
+  decode (the queries fit one tile) with a group of more than one head."""
+  return spec.seq_len <= DECODE_MAX_QUERIES and spec.group_size > 1
 
 
 def _tiles(spec: StaticSpec, dtype) -> KernelConfig:
