@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 
 import ua_kernels
-from ua_kernels import KernelConfig, MosaicTiles
+from ua_kernels import KernelConfig, MosaicTiles, devices
 from ua_kernels.attention import _is_hopper, backends_for
 from ua_kernels.mosaic import backward as mosaic_backward
-from ua_kernels.mosaic import common as mosaic_common
 from ua_kernels.tuned_configs import effective_config
 from ua_reference.contract import validate
 
@@ -284,7 +283,7 @@ def test_the_persistent_forward_over_packed_documents_matches_triton(shape_class
   *shape_class, programs = shape_class
   asked = []
   if programs is not None:
-    monkeypatch.setattr(mosaic_common, "multiprocessors", lambda: asked.append(1) or programs)
+    monkeypatch.setattr(devices, "multiprocessors", lambda: asked.append(1) or programs)
   # A call traced before with the same shapes would reuse its program count.
   jax.clear_caches()
   qkv, inputs, options = _gpu_inputs(tuple(shape_class))

@@ -30,7 +30,7 @@ from jax._src.pallas import core as pallas_core  # noqa: E402
 from jax._src.state import types as state_types  # noqa: E402
 
 from test_mosaic import SHAPE_CLASSES, _gpu_inputs  # noqa: E402
-from ua_kernels import KernelConfig, MosaicTiles, cap_forms  # noqa: E402
+from ua_kernels import KernelConfig, MosaicTiles, cap_forms, devices  # noqa: E402
 from ua_kernels.mosaic import backward as mosaic_backward  # noqa: E402
 from ua_kernels.mosaic import common as mosaic_common  # noqa: E402
 from ua_kernels.mosaic import forward as mosaic_forward  # noqa: E402
@@ -170,7 +170,7 @@ PERSISTENT_CLASSES = [
                          ids=lambda c: f"T{c[1]}-D{c[4]}-{'-'.join(sorted(c[6])) or 'plain'}")
 def test_a_persistent_forward_of_several_items_per_program_matches_triton(
     shape_class, interpreter_gaps, monkeypatch):
-  monkeypatch.setattr(mosaic_common, "multiprocessors", lambda: 4)
+  monkeypatch.setattr(devices, "multiprocessors", lambda: 4)
   b, t, hq, _, d, dtype, _ = shape_class
   tiles = MosaicTiles(persistent=True)
   x = jnp.zeros((b, t, hq, d), dtype)
@@ -197,7 +197,7 @@ def test_the_other_forward_matches_triton_in_the_interpreters(shape_class, inter
                          ids=lambda c: f"T{c[1]}-D{c[4]}-{'-'.join(sorted(c[6])) or 'plain'}")
 def test_a_persistent_overlapped_forward_matches_triton(shape_class, interpreter_gaps,
                                                         monkeypatch):
-  monkeypatch.setattr(mosaic_common, "multiprocessors", lambda: 4)
+  monkeypatch.setattr(devices, "multiprocessors", lambda: 4)
   _compare(shape_class, MosaicTiles(persistent=True, overlap_softmax=True), backward=False)
 
 

@@ -10,7 +10,6 @@ import dataclasses
 import math
 from typing import Any, Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -30,8 +29,6 @@ HEAD_DIM_MULTIPLE = 64
 MAX_SHARED_MEMORY = 232448
 # Bytes of one mbarrier in shared memory.
 BARRIER_BYTES = 8
-# Streaming multiprocessors of an H100 or H200 SXM.
-HOPPER_MULTIPROCESSORS = 132
 
 
 def scratch_bytes(scratch) -> int:
@@ -252,16 +249,6 @@ def swizzled():
   TMA writes it and wgmma reads it."""
   mgpu = plgpu()
   return (mgpu.TilingTransform((8, 64)), mgpu.SwizzleTransform(128))
-
-
-def multiprocessors() -> int:
-  """Streaming multiprocessors of the first GPU jax sees, for a persistent
-  kernel's program count; 132 (an H100 or H200 SXM) where none is present
-  (the kernels lower for CUDA on a machine without one)."""
-  for device in jax.devices():
-    if device.platform == "gpu" and getattr(device, "core_count", 0):
-      return int(device.core_count)
-  return HOPPER_MULTIPROCESSORS
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
 
-from .. import fast_math
+from .. import devices, fast_math
 from . import common
 from .common import (RingCopy, launched_q_tile, load_vector, own_tiles, program_spans,
                             program_tiles, ring_slot, tile_logits)
@@ -554,7 +554,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       rounded_sum=sums_rounded(spec, dtype), q_tiles=seq_pad // rows,
       overlap_softmax=tiles.overlap_softmax)
   if tiles.persistent:
-    p = dataclasses.replace(p, programs=min(common.multiprocessors(), p.items))
+    p = dataclasses.replace(p, programs=min(devices.multiprocessors(), p.items))
     with_out = dataclasses.replace(p, separate_out=True)
     if common.scratch_bytes(forward_scratch(with_out)) <= common.MAX_SHARED_MEMORY:
       p = with_out

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from ua_reference.contract import StaticSpec
 
 from ..kernel_config import KernelConfig
-from ..mosaic.common import multiprocessors
+from .. import devices
 
 _BWD_64 = dict(block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                num_warps_bwd=4, num_stages_bwd=2)
@@ -44,7 +44,7 @@ def kv_splits(spec: StaticSpec, block_q: int, block_kv: int) -> int:
   q_tiles = -(-spec.seq_len // _clipped(block_q, spec.seq_len))
   programs = q_tiles * spec.batch * spec.num_q_heads
   tiles = -(-spec.kv_seq_len // _clipped(block_kv, spec.kv_seq_len))
-  wanted = -(-PROGRAMS_PER_MULTIPROCESSOR * multiprocessors() // programs)
+  wanted = -(-PROGRAMS_PER_MULTIPROCESSOR * devices.multiprocessors() // programs)
   return max(1, min(wanted, tiles // MIN_TILES_PER_SPLIT))
 
 
