@@ -1,6 +1,6 @@
 """benchmarks.bench's case selection (--cases): a run cut short is finished by naming
-the cases it did not reach, so the names must select exactly those. Selection
-only; nothing is timed here."""
+the cases it did not reach, so the names must select exactly those; and the decode
+set's rows, timed in the interpreter on tiny shapes (the times say nothing there)."""
 
 import pytest
 
@@ -47,3 +47,25 @@ def test_ua_bench_launches_the_checkouts_harness_and_refuses_elsewhere(tmp_path,
   with pytest.raises(SystemExit) as exit_:
     checkout_tools.bench_main()
   assert exit_.value.code == 0 and "--set" in capsys.readouterr().out
+
+
+def test_the_decode_set_writes_a_row_per_implementation_and_shape(tmp_path, monkeypatch, capsys):
+  """--set decode (in the interpreter, two tiny shapes): every ua_kernels
+  variant of every shape has a time and its K/V bandwidth; the sinks rows are
+  timed with and without sinks; the file holds its provenance."""
+  import json
+  from benchmarks import decode
+  monkeypatch.setattr(decode, "DECODE_SHAPES", [(1, 1, 256, 4, 2, 32)])
+  monkeypatch.setattr(decode, "SINK_SHAPES", [(1, 1, 128, 2, 32, False)])
+  out = tmp_path / "decode.json"
+  bench.main(["--set", "decode", "--repeats", "1", "--no-peers", "--json", str(out)])
+  result = json.loads(out.read_text())
+  assert result["commit"] and result["command"]
+  decode_rows = [r for r in result["rows"] if r["case"].startswith("decode")]
+  assert {r["impl"] for r in decode_rows} == {
+      "ua_kernels", "ua_kernels[kv_splits=1]", "ua_kernels[pack_gqa=False]",
+      "ua_kernels[neither]"}
+  assert all(r["fwd_ms"] > 0 and r["kv_gbps"] > 0 for r in decode_rows)
+  sinks = [r for r in result["rows"] if r["case"].startswith("sinks")]
+  assert len(sinks) == 4 and all(r["fwd_bwd_ms"] > 0 for r in sinks)
+  assert "ratio sinks" in capsys.readouterr().out
