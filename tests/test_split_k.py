@@ -28,10 +28,11 @@ def _spec(b, tq, tk, hq, hkv, d=128):
 
 
 @pytest.mark.parametrize("shape, splits", [
-    ((1, 1, 32768, 32, 8), 9),      # 32 programs: 9 splits fill 2 per multiprocessor
-    ((1, 8, 131072, 32, 8), 9),
-    ((8, 1, 32768, 32, 8), 2),      # 256 programs, just under 2 per multiprocessor
-    ((32, 1, 32768, 32, 8), 1),     # enough programs without splitting
+    ((1, 1, 32768, 32, 32), 9),     # 32 programs: 9 splits fill 2 per multiprocessor
+    ((1, 1, 32768, 32, 8), 33),     # packed: 8 programs (one per kv head), 33 splits
+    ((1, 8, 131072, 32, 8), 33),    # packed: a group's 32 rows are one tile
+    ((8, 1, 32768, 32, 8), 5),      # packed: 64 programs
+    ((32, 1, 32768, 32, 8), 2),     # packed: 256 programs, just under 2 per multiprocessor
     ((1, 1, 256, 32, 8), 1),        # two key tiles: too few to split
     ((1, 17, 32768, 32, 8), 1),     # not decode
     ((1, 4096, 4096, 16, 16), 1),   # prefill

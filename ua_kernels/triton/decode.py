@@ -22,7 +22,7 @@ from ..softmax_state import combine_splits
 from ..tile_math import LOG2E, exp2_scale
 from . import kernels
 from .launch import (KeyBlock, _compiler_params, _key_block_inputs, _layout, _pallas_call,
-                     _segment_specs, keeps_low)
+                     _segment_specs, clipped_block, keeps_low)
 
 
 def splits(spec: StaticSpec, config: KernelConfig) -> int:
@@ -66,7 +66,7 @@ def forward(spec: StaticSpec, config: KernelConfig, q, k, v, seg, temp, keys, *,
     temp = None if temp is None else _packed(temp[..., None], group)[..., 0]
   rows = t * group
   layout = _layout(spec, config)
-  bq = min(config.block_q, max(16, 1 << max(rows - 1, 0).bit_length()))
+  bq = clipped_block(config.block_q, rows)
   q_pad = -(-rows // bq) * bq
   head_dim, kv_pad = layout.head_dim, layout.kv_pad
   q = _pad(q, {1: q_pad, 3: head_dim})

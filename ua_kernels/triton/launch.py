@@ -26,6 +26,12 @@ def _next_pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
+def clipped_block(block: int, length: int) -> int:
+  """A tile of ``block`` rows clipped to ``length`` rows: the next power of two
+  of at least 16 (Triton's dot needs 16-row tiles)."""
+  return min(block, max(16, _next_pow2(length)))
+
+
 class _Layout(NamedTuple):
   """Padded head dim, the queries' and the keys' padded lengths, and the
   blocks clipped to their lengths."""
@@ -52,14 +58,13 @@ def _layout(spec: StaticSpec, config: KernelConfig) -> _Layout:
   head_dim = max(16, _next_pow2(spec.head_dim))
   t_q, t_kv = spec.seq_len, spec.kv_seq_len
   if t_q == t_kv:
-    longest_block = max(16, _next_pow2(t_q))
-    blocks = {name: min(getattr(config, name), longest_block) for name in _Q_BLOCKS + _KV_BLOCKS}
+    blocks = {name: clipped_block(getattr(config, name), t_q) for name in _Q_BLOCKS + _KV_BLOCKS}
     biggest = max(blocks.values())
     seq_pad = -(-t_q // biggest) * biggest
     return _Layout(head_dim, seq_pad, seq_pad, blocks, t_q, t_kv)
   blocks = {}
   for names, t in ((_Q_BLOCKS, t_q), (_KV_BLOCKS, t_kv)):
-    blocks.update({name: min(getattr(config, name), max(16, _next_pow2(t))) for name in names})
+    blocks.update({name: clipped_block(getattr(config, name), t) for name in names})
   step = lambda names: max(blocks[n] for n in names)
   return _Layout(head_dim, -(-t_q // step(_Q_BLOCKS)) * step(_Q_BLOCKS),
                  -(-t_kv // step(_KV_BLOCKS)) * step(_KV_BLOCKS), blocks, t_q, t_kv)

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 
 from ua_reference.contract import StaticSpec
 
-from ..kernel_config import KernelConfig
 from .. import devices
+from ..kernel_config import KernelConfig
+from .launch import clipped_block
 
 _BWD_64 = dict(block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
                num_warps_bwd=4, num_stages_bwd=2)
@@ -30,20 +31,18 @@ MIN_TILES_PER_SPLIT = 4
 PROGRAMS_PER_MULTIPROCESSOR = 2
 
 
-def _clipped(block: int, t: int) -> int:
-  return min(block, max(16, 1 << max(t - 1, 0).bit_length()))
-
-
-def kv_splits(spec: StaticSpec, block_q: int, block_kv: int) -> int:
+def kv_splits(spec: StaticSpec, block_q: int, block_kv: int, packed: bool) -> int:
   """How many key ranges the forward splits into: 1 unless a decode call's
-  programs (one per query tile and head) would leave multiprocessors idle;
-  then enough splits for PROGRAMS_PER_MULTIPROCESSOR programs each, none
-  shorter than MIN_TILES_PER_SPLIT tiles. docs/BENCHMARKS.md, "Decode"."""
+  programs (one per query tile and head; with ``packed`` GQA heads, one per
+  tile of a group's rows and kv head) would leave multiprocessors idle; then
+  enough splits for PROGRAMS_PER_MULTIPROCESSOR programs each, none shorter
+  than MIN_TILES_PER_SPLIT tiles. docs/BENCHMARKS.md, "Decode"."""
   if spec.seq_len > DECODE_MAX_QUERIES:
     return 1
-  q_tiles = -(-spec.seq_len // _clipped(block_q, spec.seq_len))
-  programs = q_tiles * spec.batch * spec.num_q_heads
-  tiles = -(-spec.kv_seq_len // _clipped(block_kv, spec.kv_seq_len))
+  rows = spec.seq_len * (spec.group_size if packed else 1)
+  heads = spec.num_kv_heads if packed else spec.num_q_heads
+  programs = -(-rows // clipped_block(block_q, rows)) * spec.batch * heads
+  tiles = -(-spec.kv_seq_len // clipped_block(block_kv, spec.kv_seq_len))
   wanted = -(-PROGRAMS_PER_MULTIPROCESSOR * devices.multiprocessors() // programs)
   return max(1, min(wanted, tiles // MIN_TILES_PER_SPLIT))
 
@@ -52,8 +51,9 @@ def triton_config(spec: StaticSpec, dtype) -> KernelConfig:
   """Every Pallas-Triton field (blocks, warps, stages, kv_splits, pack_gqa) of the table;
   ``mosaic`` unset."""
   config = _tiles(spec, dtype)
-  return dataclasses.replace(config, kv_splits=kv_splits(spec, config.block_q, config.block_kv),
-                             pack_gqa=pack_gqa(spec))
+  packed = pack_gqa(spec)
+  return dataclasses.replace(
+      config, kv_splits=kv_splits(spec, config.block_q, config.block_kv, packed), pack_gqa=packed)
 
 
 def pack_gqa(spec: StaticSpec) -> bool:
