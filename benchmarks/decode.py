@@ -70,15 +70,22 @@ def _config_row(q, k, **kw) -> dict:
   return {**dataclasses.asdict(config), **backends_for(spec, config, q.dtype)._asdict()}
 
 
+def _inputs(b, tq, tk, hq, hkv, d, dtype):
+  """q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D], standard normal, and the rng
+  that drew them (seed 0)."""
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(b, tq, hq, d)), dtype)
+  k, v = (jnp.asarray(rng.normal(size=(b, tk, hkv, d)), dtype) for _ in range(2))
+  return q, k, v, rng
+
+
 def decode_rows(options, time_interleaved, peers: bool = True, written=None) -> list:
   """One row per (shape, implementation): forward ms and K/V GB/s; ``written``
   (rows -> None) is called after each shape, so that a run cut short keeps them."""
   rows = []
   dtype = jnp.dtype(options.dtype)
   for b, tq, tk, hq, hkv, d in DECODE_SHAPES:
-    rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.normal(size=(b, tq, hq, d)), dtype)
-    k, v = (jnp.asarray(rng.normal(size=(b, tk, hkv, d)), dtype) for _ in range(2))
+    q, k, v, _ = _inputs(b, tq, tk, hq, hkv, d, dtype)
     impls = {"ua_kernels": ua_kernels.attention}
     for name, config in (("kv_splits=1", KernelConfig(kv_splits=1)),
                          ("pack_gqa=False", KernelConfig(pack_gqa=False)),
@@ -111,9 +118,7 @@ def sink_rows(options, time_interleaved, fwd_bwd) -> list:
   rows = []
   dtype = jnp.dtype(options.dtype)
   for b, tq, tk, h, d, causal in SINK_SHAPES:
-    rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.normal(size=(b, tq, h, d)), dtype)
-    k, v = (jnp.asarray(rng.normal(size=(b, tk, h, d)), dtype) for _ in range(2))
+    q, k, v, rng = _inputs(b, tq, tk, h, h, d, dtype)
     sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
     impls = {}
     for backend in ("auto", "triton"):
