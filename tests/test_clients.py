@@ -127,7 +127,8 @@ def test_splash_attention_highest_traces_both_directions_at_highest_precision():
     (5, 300, dict(causal=True, window_len=70, sinks=True)),         # decode-like, GQA 2/1
     (64, 200, dict(causal=True, q_offset=-10)),                    # ten rows without keys
     (20, 150, dict(causal=True, segments=True)),                   # the keys' own ids
-], ids=["window-sinks", "rows-without-keys", "kv-segment-ids"])
+    (120, 100, dict(causal=True, window_len=10, q_offset=0)),      # ten rows past the keys
+], ids=["window-sinks", "rows-without-keys", "kv-segment-ids", "one-padded-length"])
 def test_splash_takes_other_lengths_offsets_the_keys_ids_and_sinks(tq, tk, options):
   """The splash adapter's Tq != Tk, offsets, keys' ids and sinks (interpret
   mode, float32 at highest): out, lse and every gradient, d sinks with lse's
@@ -162,8 +163,13 @@ def test_splash_takes_other_lengths_offsets_the_keys_ids_and_sinks(tq, tk, optio
   (got, (out, lse)), (want, (out_r, lse_r)) = grads(splash_attention), \
       grads(ua_reference.attention)
   np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_r))
-  if "q_offset" in options:
+  if options.get("q_offset") == -10:
     assert np.isneginf(np.asarray(lse)[:, :, :10]).all() and not np.asarray(out)[:, :10].any()
+  if tq > tk:  # queries 110 on: their window ends before the first key
+    assert np.isneginf(np.asarray(lse)[:, :, 110:]).all() and not np.asarray(out)[:, 110:].any()
+  with jax.default_matmul_precision("highest"):  # the call without lse, its own path
+    plain = splash_attention(*args[:3], **options, **({"sinks": args[3]} if len(args) > 3 else {}))
+  np.testing.assert_allclose(np.asarray(plain), np.asarray(out_r), atol=2e-5, rtol=1e-5)
   finite = np.isfinite(np.asarray(lse_r))
   np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_r)[finite], atol=1e-5)
   for x, y in ((out, out_r), *zip(got, want)):

@@ -200,7 +200,7 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, 
   sinks = call.sinks
   # Offsets, the keys' ids and sinks can leave a row without keys, which splash's own
   # kernels leave undefined: _with_lse gives the contract's.
-  if return_lse or precision is not None or tkp != tp or offset or \
+  if return_lse or precision is not None or tk != t or offset or \
       kv_segment_ids is not None or sinks is not None:
     with_lse = functools.partial(_with_lse, static + (precision,))
     row = with_lse if return_lse else lambda *a: with_lse(*a)[0]
