@@ -103,6 +103,44 @@ def test_ctrl_c_keeps_the_running_case_and_says_it_was_interrupted(tmp_path):
   assert json.loads(running[0].read_text())["status"] == "interrupted"
 
 
+_BLOCKED_MAIN = """
+import signal, sys, threading, time
+from properties.run import interrupts
+if sys.argv[1] == "watched":
+  assert interrupts.install()
+parked = threading.Event()
+other = threading.Thread(target=parked.wait, daemon=True)
+other.start()
+def ctrl_c():  # what the kernel may do with a Ctrl-C: hand it to a thread other than main
+  time.sleep(1)
+  signal.pthread_kill(other.ident, signal.SIGINT)
+threading.Thread(target=ctrl_c, daemon=True).start()
+start = time.time()
+try:
+  time.sleep(float(sys.argv[2]))  # the main thread blocked in a system call
+except KeyboardInterrupt:
+  print(f"interrupted {time.time() - start:.1f}")
+"""
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_ctrl_c_handed_to_another_thread_interrupts_the_blocked_main_thread(watched):
+  """A SIGINT another thread takes only marks the signal: without the plugin's
+  watcher (properties.run.interrupts) a main thread asleep in C raises
+  KeyboardInterrupt when its sleep ends (a case hung in a kernel: never), and a
+  Ctrl-C left a hung case running to its timeout; with it, within a second."""
+  sleep = 60.0 if watched else 4.0
+  proc = subprocess.run([sys.executable, "-c", _BLOCKED_MAIN,
+                         "watched" if watched else "plain", str(sleep)],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and proc.stdout.startswith("interrupted"), proc.stderr[-2000:]
+  seconds = float(proc.stdout.split()[1])
+  if watched:
+    assert seconds < 3.0, seconds
+  else:
+    assert seconds >= sleep - 0.1, seconds
+
+
 def test_an_unwritable_directory_is_one_usage_error_before_any_case(tmp_path):
   ro = tmp_path / "ro"
   ro.mkdir()
