@@ -36,8 +36,6 @@ def pytest_configure(config):
   else:
     profiles.register()
   _check_options(config)
-  from ..run import interrupts
-  interrupts.install()  # Ctrl-C stops a case hung in C too
   from ..judge import runner
   runner.compile_threads = config.getoption("ua_compile_threads")
   cache = config.getoption("ua_compile_cache")
@@ -56,11 +54,6 @@ def pytest_configure(config):
   global _SESSION
   _SESSION = config.stash[_STATE] = _State(deadline=deadline, started=time.time())
   _SESSION.config = config
-
-
-def pytest_unconfigure(config):
-  from ..run import interrupts
-  interrupts.uninstall()
 
 
 @pytest.hookimpl(optionalhook=True)
