@@ -79,22 +79,21 @@ def test_a_crash_counts_in_the_verdict(tmp_path):
   assert proc.returncode == EXIT_FAIL and "FAIL: outside_kernels" in proc.stdout
 
 
-def _sigint_as_in_a_terminal():
-  """The child takes SIGINT as a program run from a terminal does. A shell without job
-  control starts background commands (`cmd &`, as CI may be started) with SIGINT ignored,
-  every child inherits that, and Python then installs no KeyboardInterrupt handler: the
-  hung case ran on to its timeout."""
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
+# The child takes SIGINT as a program run from a terminal does. A shell without job control
+# starts background commands (`cmd &`, as CI may be started) with SIGINT ignored, every child
+# inherits that, and Python then installs no KeyboardInterrupt handler: the hung case ran on to
+# its timeout. (Set in the child itself: a preexec_fn forks a multithreaded process.)
+_SIGINT_AS_IN_A_TERMINAL = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)"
 
 
 def test_ctrl_c_keeps_the_running_case_and_says_it_was_interrupted(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(TESTS))
   proc = subprocess.Popen(
-      [sys.executable, "-c", "import sys; from properties.cli import verify_main; "
-       "sys.exit(verify_main())", "--impl", "outside_kernels:hanging_attention", "-n", "0",
+      [sys.executable, "-c", f"{_SIGINT_AS_IN_A_TERMINAL}; import sys; "
+       "from properties.cli import verify_main; sys.exit(verify_main())",
+       "--impl", "outside_kernels:hanging_attention", "-n", "0",
        "--", "-k", "matches_oracle-float32 and not cap and not mask and not long and not feature"],
-      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      preexec_fn=_sigint_as_in_a_terminal)
+      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   deadline = time.time() + 300
   running = []
   while time.time() < deadline and not running:  # a case past T = 16 hangs
