@@ -22,8 +22,8 @@ from ..judge.bias import (CASE_BIAS_FLOOR_ULPS, JUDGED_DTYPES, BiasStats, output
 from ..model.capabilities import Implementation, load_impl
 from ..model.case import Case
 from ..model.inputs import logit_scale, make_inputs
-from ..judge.runner import (Harness, HarnessError, evaluate, evaluate_arrays, evaluate_forward,
-                            x64)
+from ..judge.runner import (Harness, HarnessError, evaluate, evaluate_arrays,
+                            evaluate_with_plain_call, x64)
 from ..judge.tolerance import FLOOR, OutputError, compare, error_table
 
 
@@ -68,7 +68,7 @@ def matches_oracle(impl, case: Case, harness: Harness | None = None):
   within tolerance of the float64 oracle, and (bias.py) without a systematic
   shift of their rounding."""
   harness = _judging(harness, case)
-  result = evaluate(impl, case)
+  result, plain_result = evaluate_with_plain_call(impl, case)
   errors = harness.score(result)
   judged = {}
   for e in errors:
@@ -77,7 +77,7 @@ def matches_oracle(impl, case: Case, harness: Harness | None = None):
                    harness.reference[e.name]).to_dict()
     if dtype in JUDGED_DTYPES:
       judged[e.name] = BiasStats(**e.bias)
-  plain = harness.score(evaluate_forward(impl, case), outputs=("out", "lse"))
+  plain = harness.score(plain_result, outputs=("out", "lse"))
   for e in plain:
     e.name = f"{e.name} (plain call)"
   _require(errors + plain, "implementation differs from the float64 oracle")

@@ -3,9 +3,9 @@
 Executables are compiled ahead of time and cached per (implementation, static
 part of the case, flavour, x64), so examples that share a shape bucket, and the
 several input seeds of one configuration, reuse them. ``prepare`` compiles the
-four an oracle check needs (the implementation's VJP and plain call, the oracle,
-the reference) on ``compile_threads`` threads at once: XLA compiles without
-the GIL, and on the GPU compiling, not running, is where a campaign's seconds
+three an oracle check needs (the implementation's VJP and plain call, one
+program; the oracle; the reference) on ``compile_threads`` threads at once: XLA
+compiles without the GIL, and on the GPU compiling, not running, is where a campaign's seconds
 go (docs/VERIFICATION.md). The oracle (the reference on float64 copies of the
 inputs) and the same-precision reference are compiled without XLA's GEMM
 autotuning, which dominated their compile time on the GPU, and with its dots on
@@ -151,19 +151,32 @@ def _forward_fn(impl: Implementation, case: Case):
   return run
 
 
+def _checked_fn(impl: Implementation, case: Case):
+  """The VJP and the plain call in one program, as an oracle check calls them:
+  compiled apart, a forward the two share (a custom_vjp whose primal and fwd
+  rule launch the same kernel) compiled twice (README.md, "Tests")."""
+  vjp, forward = _vjp_fn(impl, case), _forward_fn(impl, case)
+
+  def run(q, k, v, segment_ids, temperature, dout, dlse, kv_segment_ids=None, sinks=None):
+    plain = forward(q, k, v, segment_ids, temperature, kv_segment_ids, sinks)
+    return vjp(q, k, v, segment_ids, temperature, dout, dlse, kv_segment_ids, sinks), plain
+
+  return run
+
+
 def _vjp_executable(impl: Implementation, case: Case, args, omit=()):
   return _executable(("vjp", impl, case.static_key(), tuple(omit)),
                      lambda: _vjp_fn(impl, case, omit), args, name="implementation_vjp")
 
 
-def _forward_executable(impl: Implementation, case: Case, args):
-  return _executable(("forward", impl, case.static_key()), lambda: _forward_fn(impl, case), args,
-                     name="implementation_forward")
+def _checked_executable(impl: Implementation, case: Case, args):
+  return _executable(("checked", impl, case.static_key()), lambda: _checked_fn(impl, case), args,
+                     name="implementation_vjp_and_call")
 
 
 def _args(inputs: dict, float64: bool):
   """(q, k, v, segment_ids, temperature, dout, dlse, kv_segment_ids, sinks):
-  the VJP's arguments; _forward_args the plain call's."""
+  the VJP's arguments."""
   cast = (lambda x: jnp.asarray(np.asarray(x, np.float64))) if float64 else jnp.asarray
   opt = lambda x: None if x is None else jnp.asarray(x)
   dlse = np.asarray(inputs["dlse"], np.float64 if float64 else np.float32)
@@ -175,21 +188,18 @@ def _args(inputs: dict, float64: bool):
           opt(inputs.get("kv_segment_ids")), sinks)
 
 
-def _forward_args(args):
-  """The plain call's arguments out of _args': all but dout and dlse."""
-  return args[:5] + args[7:]
-
-
 def _as_numpy(result: dict) -> dict:
   return {n: (None if x is None else np.asarray(x)) for n, x in result.items()}
 
 
-def evaluate_forward(impl: Implementation, case: Case, inputs: dict | None = None):
-  """Outputs of a plain call (no VJP traced), which a custom_vjp computes
-  through its primal function rather than its fwd rule."""
+def evaluate_with_plain_call(impl: Implementation, case: Case, inputs: dict | None = None):
+  """(evaluate's outputs and cotangents, a plain call's outputs) from one
+  program: what an oracle check compares. The plain call traces no VJP, so a
+  custom_vjp computes it through its primal function, not its fwd rule."""
   inputs = make_inputs(case) if inputs is None else inputs
-  args = _forward_args(_args(inputs, float64=False))
-  return _as_numpy(_call(_forward_executable(impl, case, args), args))
+  args = _args(inputs, float64=False)
+  result, plain = _call(_checked_executable(impl, case, args), args)
+  return _as_numpy(result), _as_numpy(plain)
 
 
 def evaluate(impl: Implementation, case: Case, inputs: dict | None = None, *,
@@ -252,9 +262,10 @@ def _reference(case: Case, inputs: dict, float64: bool):
 
 def prepare(impl: Implementation, case: Case) -> None:
   """Compiles what an oracle check of ``case`` calls, the implementation's VJP
-  and plain call beside the oracle and the reference, on ``compile_threads``
-  threads at once; each in this thread's x64 mode, the harness's under x64 as
-  Harness.of runs them. The implementation's two also run once there: a Mosaic
+  and plain call (one program) beside the oracle and the reference, on
+  ``compile_threads`` threads at once; each in this thread's x64 mode, the
+  harness's under x64 as Harness.of runs them. The implementation's also runs
+  once there: a Mosaic
   GPU kernel is built when its executable first runs, which JAX's persistent
   cache does not keep. A compile that fails is left for the check itself to
   meet again, and to report as its own or the harness's failure."""
@@ -288,8 +299,7 @@ def prepare(impl: Implementation, case: Case) -> None:
     reference_args = _reference_args(case, inputs, float64=False)
   with x64(impl_x64):
     args = _args(inputs, float64=False)
-  jobs = [(_vjp_executable, (impl, case, args), impl_x64, True),
-          (_forward_executable, (impl, case, _forward_args(args)), impl_x64, True),
+  jobs = [(_checked_executable, (impl, case, args), impl_x64, True),
           (_reference_executable, (case, oracle_args, True), True, False),
           (_reference_executable, (case, reference_args, False), reference_x64(False), False)]
   futures = [_POOL.submit(build, fn, *a, in_x64=flag, run=run) for fn, a, flag, run in jobs]
