@@ -59,6 +59,8 @@ def _arguments(b, t, hq, hkv, d, dtype, options):
     extra["segment_ids"] = jax.ShapeDtypeStruct((b, t), jnp.int32)
   if options.pop("temperature", False):
     extra["temperature"] = jax.ShapeDtypeStruct((b, t, hq), jnp.float32)
+  if options.pop("sinks", False):
+    extra["sinks"] = jax.ShapeDtypeStruct((hq,), jnp.float32)
   q = jax.ShapeDtypeStruct((b, t, hq, d), dtype)
   kv = jax.ShapeDtypeStruct((b, t, hkv, d), dtype)
   return (q, kv, kv), extra, options
@@ -100,6 +102,32 @@ def test_backward_lowers_for_cuda(shape_class):
   halves = "_halves" if shape_class[4] > mosaic_backward.HALVES_ABOVE else ""
   for kernel in ("ua_backward_dq", "ua_backward_dkv"):
     assert f"{kernel}{halves}_mosaic" in text
+
+
+# Sinks: causal with GQA, and packed documents with temperature (the persistent forward, whose
+# programs take items of every head).
+SINK_CLASSES = [
+    (1, 200, 4, 2, 64, jnp.bfloat16, dict(causal=True, sinks=True)),
+    (2, 129, 4, 1, 128, jnp.float16, dict(segment_ids=True, temperature=True, sinks=True)),
+]
+
+
+@pytest.mark.parametrize("shape_class", SINK_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_sinks_lower_to_the_mosaic_kernels(shape_class):
+  """A call with sinks runs the Mosaic forward (the sink joins each row's mass
+  at the end of its key loop) and the Mosaic backward, which the sinks leave
+  as it is: they reach it through lse and delta only."""
+  args, extra, options = _arguments(*shape_class)
+
+  def loss(q, k, v, sinks, **extra):
+    out, lse = ua_kernels.attention(q, k, v, config=MOSAIC, return_lse=True, sinks=sinks,
+                                    **options, **extra)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+  sinks = extra.pop("sinks")
+  text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2, 3)), (*args, sinks), extra)
+  for kernel in ("ua_forward_mosaic", "ua_backward_dq_mosaic", "ua_backward_dkv_mosaic"):
+    assert kernel in text
 
 
 def test_shared_memory_overflow_is_a_lowering_error():
@@ -180,6 +208,10 @@ def test_dispatch():
   assert backends_for(_spec(d=256), MOSAIC, jnp.bfloat16).backward == "mosaic"
   assert backends_for(_spec(d=320), KernelConfig(), jnp.bfloat16).backward == "triton"
   assert backends_for(spec, KernelConfig(backend="triton"), jnp.bfloat16).backward == "triton"
+  # Sinks run on Mosaic when asked for; "auto" keeps them on Triton (docs/SEMANTICS.md).
+  with_sinks = dataclasses.replace(spec, has_sinks=True)
+  assert backends_for(with_sinks, MOSAIC, jnp.bfloat16) == ("mosaic", "mosaic")
+  assert backends_for(with_sinks, KernelConfig(), jnp.bfloat16).forward == "triton"
   # Without a Hopper GPU (here: the interpreter) "auto" is Triton.
   if not _is_hopper():
     assert backends_for(spec, KernelConfig(), jnp.bfloat16).forward == "triton"
@@ -236,6 +268,8 @@ def _gpu_inputs(shape_class, seed=0):
   if "temperature" in extra:
     inputs["temperature"] = jnp.asarray(rng.uniform(0.5, 2.0, size=extra["temperature"].shape),
                                         jnp.float32)
+  if "sinks" in extra:  # near the rows' largest logits: a small share of the mass to most
+    inputs["sinks"] = jnp.asarray(rng.uniform(-1.0, 4.0, size=extra["sinks"].shape), jnp.float32)
   return (q, k, v), inputs, options
 
 
@@ -332,6 +366,32 @@ def test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones(shape_cla
     assert err_m <= bound, f"{name}: Mosaic error {err_m:.3g}, Triton {err_t:.3g}"
 
 
+@pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
+@pytest.mark.parametrize("shape_class", SINK_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_mosaic_with_sinks_matches_triton(shape_class):
+  """Compiled on Hopper, with sinks: the forward as
+  test_mosaic_forward_matches_triton_forward holds it, and d sinks within
+  twice the Triton backend's error against the float32 reference plus one
+  16-bit rounding of its scale."""
+  import ua_reference
+  qkv, inputs, options = _gpu_inputs(shape_class)
+  _assert_forward_matches_triton(qkv, inputs, options)
+
+  def dsinks(fn, *qkv):
+    def loss(sinks):
+      out, lse = fn(*qkv, return_lse=True, **options, **dict(inputs, sinks=sinks))
+      return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return np.asarray(jax.grad(loss)(inputs["sinks"]))
+
+  reference = dsinks(ua_reference.attention, *(x.astype(jnp.float32) for x in qkv))
+  mosaic, triton = (dsinks(functools.partial(ua_kernels.attention,
+                                             config=KernelConfig(backend=backend)), *qkv)
+                    for backend in ("mosaic", "triton"))
+  err_m, err_t = np.max(np.abs(mosaic - reference)), np.max(np.abs(triton - reference))
+  bound = 2 * err_t + float(jnp.finfo(qkv[0].dtype).eps) * np.max(np.abs(reference))
+  assert err_m <= bound, f"d sinks: Mosaic error {err_m:.3g}, Triton {err_t:.3g}"
+
+
 def test_backend_implementations_declare_what_they_run():
   """ua_kernels.backends as the suite loads them: the Mosaic one 16-bit and
   head dims up to 256 only; the Triton one everything, its config forced to
@@ -341,7 +401,7 @@ def test_backend_implementations_declare_what_they_run():
   mosaic = load_impl("ua_kernels.backends:mosaic_attention")
   assert mosaic.dtypes == ("bfloat16", "float16")
   assert mosaic.head_dims(256) and not mosaic.head_dims(320)
-  assert mosaic.unsupported == {"kv_length", "q_offset", "kv_segment_ids", "sinks"}
+  assert mosaic.unsupported == {"kv_length", "q_offset", "kv_segment_ids"}
   triton = load_impl("ua_kernels.backends:triton_attention")
   assert not triton.unsupported
   assert set(triton.dtypes) == {"float32", "bfloat16", "float16"}

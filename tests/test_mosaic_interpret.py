@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import ua_reference
-from ua_reference.contract import validate
+from ua_reference.contract import validate, validate_call
 
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 if not hasattr(plgpu, "InterpretGPUParams"):
@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax._src.pallas import core as pallas_core  # noqa: E402
 from jax._src.state import types as state_types  # noqa: E402
 
-from test_mosaic import SHAPE_CLASSES, _gpu_inputs  # noqa: E402
+from test_mosaic import SHAPE_CLASSES, SINK_CLASSES, _gpu_inputs  # noqa: E402
 from ua_kernels import KernelConfig, MosaicTiles, cap_forms, devices  # noqa: E402
 from ua_kernels.mosaic import backward as mosaic_backward  # noqa: E402
 from ua_kernels.mosaic import common as mosaic_common  # noqa: E402
@@ -199,6 +199,33 @@ def test_a_persistent_overlapped_forward_matches_triton(shape_class, interpreter
                                                         monkeypatch):
   monkeypatch.setattr(devices, "multiprocessors", lambda: 4)
   _compare(shape_class, MosaicTiles(persistent=True, overlap_softmax=True), backward=False)
+
+
+@pytest.mark.parametrize("shape_class", SINK_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_the_forward_with_sinks_matches_triton_in_the_interpreters(shape_class,
+                                                                   interpreter_gaps):
+  """The sinks' part of the forward, each head's sink joining its rows' mass
+  after the key loop, against the Triton forward's (both forwards the table
+  picks: the persistent one for the packed class). The backward takes no sink
+  (test_mosaic.test_sinks_lower_to_the_mosaic_kernels)."""
+  (q, k, v), inputs, options = _gpu_inputs(shape_class)
+  inputs = dict(inputs)
+  sinks = inputs.pop("sinks")
+  call = validate_call(q, k, v, sinks=sinks, **options, **inputs)
+  spec, seg = call.spec, call.segment_ids
+  temp = None if call.temperature is None else call.temperature.astype(jnp.float32)
+  triton = effective_config(spec, q.dtype, KernelConfig(backend="triton", interpret=True))
+  tiles = effective_config(spec, q.dtype, KernelConfig()).mosaic
+  out, shift, low = attention_module._forward(spec, triton, attention_module.Backends(
+      "triton", "triton"), q, k, v, seg, temp, sinks=sinks)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    out_m, shift_m = mosaic_forward.forward(spec, tiles, q, k, v, seg, temp,
+                                            fast_cap=cap_forms.fast_cap(spec, q.dtype),
+                                            sinks=sinks)
+  _close("out", out_m, out, q.dtype)
+  _close("lse2", attention_module._lse2(spec, temp, shift_m, None),
+         attention_module._lse2(spec, temp, shift, low), jnp.float32,
+         eps=4 * float(jnp.finfo(jnp.float32).eps))
 
 
 def _compare(shape_class, tiles, backward=True):

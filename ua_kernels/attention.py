@@ -57,8 +57,6 @@ def _forward_backend(spec: StaticSpec, config: KernelConfig, dtype, block_keys: 
   if block_keys:
     why = ("keys of another length, offset or segments (and context_parallel's key blocks) "
            "run on Triton only")
-  if spec.has_sinks:
-    why = "sinks run on Triton only"
   if config.backend == "mosaic":
     if why:
       raise ValueError(f"KernelConfig(backend='mosaic'): {why}")
@@ -66,7 +64,10 @@ def _forward_backend(spec: StaticSpec, config: KernelConfig, dtype, block_keys: 
       raise ValueError("KernelConfig(backend='mosaic') cannot run in the Pallas interpreter "
                        "(interpret=True)")
     return "mosaic"
-  if why is None and not triton_launch.interpreted(config) and _is_hopper():
+  # Sinks take the Mosaic forward when asked for; "auto" keeps them on Triton until it has
+  # run compiled (docs/SEMANTICS.md, "Signature").
+  if why is None and not spec.has_sinks and not triton_launch.interpreted(config) \
+      and _is_hopper():
     return "mosaic"
   return "triton"
 
@@ -102,8 +103,8 @@ def _forward(spec: StaticSpec, config: KernelConfig, backends: Backends, q, k, v
   config.require_filled("ua_kernels.attention's forward")
   fast_cap = cap_forms.fast_cap(spec, q.dtype)
   if backends.forward == "mosaic":
-    return (*mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp, fast_cap=fast_cap),
-            None)
+    return (*mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp, fast_cap=fast_cap,
+                                    sinks=sinks), None)
   launch = triton_decode if triton_decode.applies(spec, config) else triton_launch
   return launch.forward(spec, config, q, k, v, seg, temp, keys, fast_cap=fast_cap, sinks=sinks)
 

@@ -31,10 +31,11 @@ def _forced(backend: str, q, k, v, config, kwargs):
   return attention(q, k, v, config=dataclasses.replace(config, backend=backend), **kwargs)
 
 
-def mosaic_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
+def mosaic_attention(q, k, v, *, sinks=None, config: KernelConfig | None = None, **kwargs):
   """ua_kernels.attention on Pallas Mosaic GPU (Hopper only; bfloat16/float16):
-  the forward and the backward for head dims up to 256."""
-  return _forced("mosaic", q, k, v, config, kwargs)
+  the forward and the backward for head dims up to 256. ``sinks`` is named:
+  the suite draws sinks for a callable whose signature names them."""
+  return _forced("mosaic", q, k, v, config, dict(kwargs, sinks=sinks))
 
 
 def triton_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
@@ -50,8 +51,8 @@ mosaic_attention.ua_head_dims = lambda d: d <= mosaic_forward.MAX_HEAD_DIM
 # of 64 (dq's key tiles 128).
 mosaic_attention.ua_block_sizes = (64, 128)
 mosaic_attention.ua_cap_forms = cap_forms.fast_forms
-# Keys of another length, offsets, the keys' own ids and sinks run on Triton only.
-mosaic_attention.ua_unsupported = ("kv_length", "q_offset", "kv_segment_ids", "sinks")
+# Keys of another length, offsets and the keys' own ids run on Triton only.
+mosaic_attention.ua_unsupported = ("kv_length", "q_offset", "kv_segment_ids")
 
 # It takes every keyword of the op it forces (the suite reads a callable's signature
 # for the keywords of Tq != Tk, offsets and sinks; docs/PLUGINS.md).

@@ -64,7 +64,7 @@ from .config import MosaicTiles
 from ..padding import pad
 from ..segment_spans import tile_ranges
 from ..softmax_state import SoftmaxState, sums_rounded
-from ..tile_math import exp2_scale, fixed_shift, kv_tiles, tile_loop
+from ..tile_math import LOG2E, exp2_scale, fixed_shift, kv_tiles, tile_loop
 
 # 256 is the largest head dim whose tiles fit the shared memory.
 MAX_HEAD_DIM = 256
@@ -105,6 +105,7 @@ class ForwardParams:
   programs: int = 0     # persistent programs (0: not persistent)
   separate_out: bool = False  # O leaves through its own buffer, not Q's
   overlap_softmax: bool = False  # MosaicTiles.overlap_softmax (_overlapped_tiles)
+  has_sinks: bool = False  # a sink logit per head joins each row's mass at the end
 
   @property
   def rows(self) -> int:
@@ -230,11 +231,12 @@ def _over_items(count, item_of, body):
 
 
 def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, temp_ref,
-                   ones_ref, out_ref, lse_ref, *scratch_refs):
+                   ones_ref, sink_ref, out_ref, lse_ref, *scratch_refs):
   """One program: warpgroups 0 and 1 compute (_forward_compute), 2 streams the
   key and value tiles of the hull of their ranges (common.ring_steps),
   for each of the program's work items (_work). ``ones_ref`` and the ones'
-  scratch only with ``p.rounded_sum``."""
+  scratch only with ``p.rounded_sum``; ``sink_ref`` [Hq, block_q] (each head's
+  sink in the scores' units, a row of one value) only with ``p.has_sinks``."""
   plgpu = common.plgpu()
   sc = _scratch(p, scratch_refs)
   wg = lax.axis_index("wg")
@@ -267,9 +269,9 @@ def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, te
     def compute(i, item, base):
       def load_next_q():  # called by persistent programs only
         pl.when(i + 1 < count)(lambda: load_q(item_of(i + 1)))
-      _forward_compute(p, ring(item, base), seg_ref, temp_ref, out_ref, lse_ref, q_smem,
-                       sc.out_smem2.at[wg], sc.lse_smem2.at[wg], q_loaded, ones_smem, item,
-                       wg, load_next_q)
+      _forward_compute(p, ring(item, base), seg_ref, temp_ref, sink_ref, out_ref, lse_ref,
+                       q_smem, sc.out_smem2.at[wg], sc.lse_smem2.at[wg], q_loaded, ones_smem,
+                       item, wg, load_next_q)
 
     _over_items(count, item_of, compute)
     plgpu.wait_smem_to_gmem(0)
@@ -307,8 +309,8 @@ class _Ring(NamedTuple):
   schedule: Any
 
 
-def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, out_ref, lse_ref,
-                     q_smem, out_smem, lse_smem, q_loaded, ones_smem, item: _Item, wg,
+def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, sink_ref, out_ref,
+                     lse_ref, q_smem, out_smem, lse_smem, q_loaded, ones_smem, item: _Item, wg,
                      load_next_q):
   """Compute warpgroup ``wg`` on one item: the online softmax of its block_q
   rows (their Q copy issued before) over its own key tiles, draining the
@@ -362,7 +364,10 @@ def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, out_ref, 
   state = lax.fori_loop(tiles.hi, ring.hi, drain, state)
   pl.when(wg == 0)(schedule_sync)
 
-  out, shift, _ = state.finalize(exp2_scale(p.spec, p.has_temp))
+  scale = exp2_scale(p.spec, p.has_temp)
+  if p.has_sinks:
+    state = state.with_sink(load_vector(sink_ref.at[h], row_layout), scale)
+  out, shift, _ = state.finalize(scale)
   if p.programs:
     if p.separate_out:
       # Every product reading Q's buffer has completed: the last QK^T's scores
@@ -533,10 +538,12 @@ def _overlapped_step(p: ForwardParams, ring: _Ring, row: _Row, kb, carry, masked
   return pl.run_scoped(products, *accumulators)
 
 
-def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_cap: bool):
+def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_cap: bool,
+            sinks=None):
   """(out [B, T, Hq, D], shift [B, Hq, T]: SoftmaxState.finalize's row
   statistic, without low) of the unpadded inputs;
-  ``seg`` [B, T] int32 or None; ``temp`` [B, T, Hq] float32 or None."""
+  ``seg`` [B, T] int32 or None; ``temp`` [B, T, Hq] float32 or None;
+  ``sinks`` [Hq] (natural units, docs/SEMANTICS.md) or None."""
   b, t, hq, d = q.shape
   dtype = q.dtype
   head_dim = common.padded_head_dim(d)
@@ -552,7 +559,7 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       stages=min(tiles.stages, seq_pad // tiles.block_kv), padded=seq_pad != t,
       has_temp=has_temp, shift=fixed_shift(spec, dtype, has_temp), fast_cap=fast_cap,
       rounded_sum=sums_rounded(spec, dtype), q_tiles=seq_pad // rows,
-      overlap_softmax=tiles.overlap_softmax)
+      overlap_softmax=tiles.overlap_softmax, has_sinks=sinks is not None)
   if tiles.persistent:
     p = dataclasses.replace(p, programs=min(devices.multiprocessors(), p.items))
     with_out = dataclasses.replace(p, separate_out=True)
@@ -564,6 +571,10 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
   seg = pad(seg, {1: seq_pad}) if has_seg else None
   temp = pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad}) if has_temp else None
   ones = jnp.ones((USED_SUM_COLUMNS, p.block_kv), dtype) if p.rounded_sum else None
+  # Natural units to the scores': base 2, then the exp2's scale (as the Triton forward).
+  sink_rows = None if sinks is None else jnp.broadcast_to(
+      (sinks.astype(jnp.float32) * (LOG2E / exp2_scale(spec, has_temp)))[:, None],
+      (hq, p.block_q))
   call = common.warp_specialized_call(
       functools.partial(forward_kernel, p),
       spec=spec, fast_cap=fast_cap,
@@ -575,5 +586,5 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       kernel_name="ua_forward_mosaic",
   )
   with fast_math.native("mosaic"):
-    out, shift = call(q, k, v, seg, spans, temp, ones)
+    out, shift = call(q, k, v, seg, spans, temp, ones, sink_rows)
   return out[:, :t, :, :d], shift[:, :, :t]
