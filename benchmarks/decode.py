@@ -11,7 +11,8 @@ either (the plain forward), cuDNN and XLA
 through jax.nn.dot_product_attention, and tokamax where installed: its
 Pallas-Triton kernel at its own config and with split_k, and its Mosaic GPU
 kernel. Sinks rows: one call with and without sinks, forward and
-forward+backward, ua_kernels as it dispatches and on Pallas-Triton.
+forward+backward, ua_kernels as it dispatches, on Pallas-Triton and (equal
+lengths) on Mosaic GPU.
 """
 
 from __future__ import annotations
@@ -121,9 +122,10 @@ def sink_rows(options, time_interleaved, fwd_bwd) -> list:
     q, k, v, rng = _inputs(b, tq, tk, h, h, d, dtype)
     sinks = jnp.asarray(rng.normal(size=(h,)), jnp.float32)
     impls = {}
-    for backend in ("auto", "triton"):
+    # Mosaic takes sinks at equal lengths (forced: "auto" keeps sinks on Triton, for now).
+    for backend in ("auto", "triton") + (("mosaic",) if tq == tk else ()):
       config = KernelConfig(backend=backend)
-      name = "ua_kernels" + ("" if backend == "auto" else "[triton]")
+      name = "ua_kernels" + ("" if backend == "auto" else f"[{backend}]")
       impls[f"{name} plain"] = functools.partial(ua_kernels.attention, causal=causal, config=config)
       impls[f"{name} sinks"] = functools.partial(
           lambda q, k, v, config: ua_kernels.attention(q, k, v, sinks=sinks, causal=causal,
