@@ -390,6 +390,7 @@ def main(argv=None):
     rows = decode.decode_rows(options, time_interleaved, peers=not options.no_peers,
                               written=lambda rows: _write(options.json, header, rows))
     rows += decode.sink_rows(options, time_interleaved, _fwd_bwd)
+    rows += decode.other_keys_rows(options, time_interleaved, _fwd_bwd)
     _write(options.json, header, rows)
     print(f"date={header['measured'][:10]} device={header['gpu']} commit={header['commit']} "
           + " ".join(f"{k}={v}" for k, v in header["versions"].items()))

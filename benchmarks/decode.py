@@ -12,7 +12,8 @@ through jax.nn.dot_product_attention, and tokamax where installed: its
 Pallas-Triton kernel at its own config and with split_k, and its Mosaic GPU
 kernel. Sinks rows: one call with and without sinks, forward and
 forward+backward, ua_kernels as it dispatches, on Pallas-Triton and (equal
-lengths) on Mosaic GPU.
+lengths) on Mosaic GPU. Other-keys rows: a chunk of prefill against a longer
+cache and cross-attention, on Pallas-Triton and with the Mosaic forward.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ DECODE_SHAPES += [(8, 1, 32768, 32, 8, 128)]
 TOKAMAX_SPLITS = (16,)
 # (B, Tq, Tk, H, D, causal): a prefill and a decode call, with and without sinks.
 SINK_SHAPES = [(4, 4096, 4096, 16, 128, True), (1, 1, 32768, 32, 128, False)]
+# (B, Tq, Tk, Hq, Hkv, D, causal): a chunk of prefill against a longer cache, and
+# cross-attention, on each backend.
+OTHER_KEYS_SHAPES = [(1, 4096, 16384, 32, 8, 128, True), (2, 2048, 8192, 16, 16, 128, False)]
 
 
 def _tokamax_decode_peers() -> dict:
@@ -145,6 +149,32 @@ def sink_rows(options, time_interleaved, fwd_bwd) -> list:
   return rows
 
 
+def other_keys_rows(options, time_interleaved, fwd_bwd) -> list:
+  """Each OTHER_KEYS_SHAPES call on Pallas-Triton (where "auto" runs it) and
+  with the Mosaic forward (its backward on Triton), forward and
+  forward+backward, timed in one round-robin group."""
+  rows = []
+  dtype = jnp.dtype(options.dtype)
+  for b, tq, tk, hq, hkv, d, causal in OTHER_KEYS_SHAPES:
+    q, k, v, _ = _inputs(b, tq, tk, hq, hkv, d, dtype)
+    impls = {f"ua_kernels[{backend}]": functools.partial(
+        ua_kernels.attention, causal=causal, config=KernelConfig(backend=backend))
+        for backend in ("triton", "mosaic")}
+    fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, (q, k, v), options.repeats)
+    bwd = time_interleaved({n: fwd_bwd(f) for n, f in impls.items()}, (q, k, v), options.repeats)
+    label = (f"keys B{b} Tq{tq} Tk{tk} H{hq}/{hkv} D{d}" + (" causal" if causal else "")
+             + ("" if dtype == jnp.bfloat16 else " f16"))
+    for name in impls:
+      row = {"case": label, "impl": name}
+      failed = [r for r in (fwd[name], bwd[name]) if isinstance(r, Exception)]
+      if failed:
+        row["error"] = f"{type(failed[0]).__name__}: {failed[0]}"[:200]
+      else:
+        row.update(fwd_ms=fwd[name], fwd_bwd_ms=bwd[name])
+      rows.append(row)
+  return rows
+
+
 def print_rows(rows):
   """The decode table (GB/s and the ratio to ua_kernels) and the sinks' ratios."""
   ours = {r["case"]: r for r in rows if r["impl"] == "ua_kernels" and "fwd_ms" in r}
@@ -155,6 +185,10 @@ def print_rows(rows):
       print(f"{r['case']:44} {r['impl']:30} {r['fwd_ms']:8.3f} ms {r['kv_gbps']:7.0f} GB/s {ratio}")
     elif "error" in r:
       print(f"{r['case']:44} {r['impl']:30} error: {r['error'][:70]}")
+  for r in rows:
+    if r["case"].startswith("keys") and "fwd_ms" in r:
+      print(f"{r['case']:44} {r['impl']:30} fwd {r['fwd_ms']:8.3f} ms  "
+            f"fwd+bwd {r['fwd_bwd_ms']:8.3f} ms")
   sinks = {(r["case"].rsplit(" ", 1)[0], r["feature"]): r for r in rows
            if r.get("feature") and "fwd_bwd_ms" in r}
   for (label, feature), r in sinks.items():

@@ -57,6 +57,7 @@ def test_the_decode_set_writes_a_row_per_implementation_and_shape(tmp_path, monk
   from benchmarks import decode
   monkeypatch.setattr(decode, "DECODE_SHAPES", [(1, 1, 256, 4, 2, 32)])
   monkeypatch.setattr(decode, "SINK_SHAPES", [(1, 1, 128, 2, 32, False)])
+  monkeypatch.setattr(decode, "OTHER_KEYS_SHAPES", [(1, 8, 40, 2, 1, 32, True)])
   out = tmp_path / "decode.json"
   bench.main(["--set", "decode", "--repeats", "1", "--no-peers", "--json", str(out)])
   result = json.loads(out.read_text())
@@ -68,4 +69,7 @@ def test_the_decode_set_writes_a_row_per_implementation_and_shape(tmp_path, monk
   assert all(r["fwd_ms"] > 0 and r["kv_gbps"] > 0 for r in decode_rows)
   sinks = [r for r in result["rows"] if r["case"].startswith("sinks")]
   assert len(sinks) == 4 and all(r["fwd_bwd_ms"] > 0 for r in sinks)
+  # The Mosaic forward cannot run in the interpreter: its row holds the error.
+  keys = {r["impl"]: r for r in result["rows"] if r["case"].startswith("keys")}
+  assert keys["ua_kernels[triton]"]["fwd_bwd_ms"] > 0 and "error" in keys["ua_kernels[mosaic]"]
   assert "ratio sinks" in capsys.readouterr().out

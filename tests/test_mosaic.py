@@ -21,7 +21,7 @@ from ua_kernels import KernelConfig, MosaicTiles, devices
 from ua_kernels.attention import _is_hopper, backends_for
 from ua_kernels.mosaic import backward as mosaic_backward
 from ua_kernels.tuned_configs import effective_config
-from ua_reference.contract import validate
+from ua_reference.contract import validate, validate_call
 
 MOSAIC = KernelConfig(backend="mosaic")
 
@@ -104,10 +104,11 @@ def test_backward_lowers_for_cuda(shape_class):
     assert f"{kernel}{halves}_mosaic" in text
 
 
-# Sinks: causal with GQA, and packed documents with temperature (the persistent forward, whose
-# programs take items of every head).
+# Sinks: causal with GQA and a cap (whose 16-bit rounded row sum takes the sink too), and packed
+# documents with temperature (the persistent forward, whose programs take items of every head).
 SINK_CLASSES = [
-    (1, 200, 4, 2, 64, jnp.bfloat16, dict(causal=True, sinks=True)),
+    (1, 200, 4, 2, 64, jnp.bfloat16, dict(causal=True, sinks=True, cap_method="tanh",
+                                          cap_params=(5.0,))),
     (2, 129, 4, 1, 128, jnp.float16, dict(segment_ids=True, temperature=True, sinks=True)),
 ]
 
@@ -128,6 +129,60 @@ def test_sinks_lower_to_the_mosaic_kernels(shape_class):
   text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2, 3)), (*args, sinks), extra)
   for kernel in ("ua_forward_mosaic", "ua_backward_dq_mosaic", "ua_backward_dkv_mosaic"):
     assert kernel in text
+
+
+# Keys of another length and offsets: a prefill against a longer cache (causal, GQA), rows
+# before every key (a negative offset), a window past the queries' own length, a decode row
+# with sinks, and equal lengths with an offset (as context_parallel's key blocks).
+OTHER_KEYS_CLASSES = [
+    (1, 100, 300, 4, 2, 64, jnp.bfloat16, dict(causal=True)),
+    (2, 64, 200, 2, 2, 128, jnp.float16, dict(causal=True, q_offset=-10)),
+    (1, 200, 129, 2, 1, 64, jnp.bfloat16, dict(window_len=50, q_offset=30, temperature=True)),
+    (2, 1, 300, 4, 1, 128, jnp.bfloat16, dict(sinks=True, cap_method="tanh",
+                                              cap_params=(5.0,))),
+    (1, 256, 256, 2, 2, 64, jnp.float16, dict(causal=True, q_offset=70)),
+]
+
+
+def other_keys_inputs(shape_class, seed=0):
+  """(q, k, v) and the keywords of an OTHER_KEYS_CLASSES call."""
+  b, tq, tk, hq, hkv, d, dtype, options = shape_class
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(b, tq, hq, d)), dtype)
+  k, v = (jnp.asarray(rng.normal(size=(b, tk, hkv, d)), dtype) for _ in range(2))
+  options = dict(options)
+  if options.pop("temperature", False):
+    options["temperature"] = jnp.asarray(rng.uniform(0.5, 2.0, size=(b, tq, hq)), jnp.float32)
+  if options.pop("sinks", False):
+    options["sinks"] = jnp.asarray(rng.uniform(-1.0, 4.0, size=(hq,)), jnp.float32)
+  return (q, k, v), options
+
+
+def _other_keys_id(c):
+  return f"Tq{c[1]}-Tk{c[2]}-D{c[5]}-{'-'.join(sorted(c[7])) or 'plain'}"
+
+
+@pytest.mark.parametrize("shape_class", OTHER_KEYS_CLASSES, ids=_other_keys_id)
+def test_other_keys_lower_to_the_mosaic_forward(shape_class):
+  """Keys of another length or an offset run the Mosaic forward when asked
+  for (the offset traced: one compile serves every offset); their backward
+  runs on Triton (backends_for)."""
+  (q, k, v), options = other_keys_inputs(shape_class)
+  forward = lambda q, k, v: ua_kernels.attention(q, k, v, config=MOSAIC, return_lse=True,
+                                                 **options)
+  text = _lowered_text(forward, (q, k, v), {})
+  assert "ua_forward_mosaic" in text
+  spec = validate_call(q, k, v, **options).spec
+  assert backends_for(spec, MOSAIC, q.dtype) == ("mosaic", "triton")
+  # "auto" keeps them on Triton until they have run compiled (docs/SEMANTICS.md).
+  assert backends_for(spec, KernelConfig(), q.dtype).forward == "triton"
+
+
+def test_segment_ids_with_other_keys_are_refused_by_the_mosaic_forward():
+  x = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+  ids = jnp.zeros((1, 64), jnp.int32)
+  with pytest.raises(ValueError, match="segment ids with keys of another length or offset"):
+    ua_kernels.attention(x, x, x, segment_ids=ids, q_offset=3, config=MOSAIC)
 
 
 def test_shared_memory_overflow_is_a_lowering_error():
@@ -390,6 +445,29 @@ def test_mosaic_with_sinks_matches_triton(shape_class):
   err_m, err_t = np.max(np.abs(mosaic - reference)), np.max(np.abs(triton - reference))
   bound = 2 * err_t + float(jnp.finfo(qkv[0].dtype).eps) * np.max(np.abs(reference))
   assert err_m <= bound, f"d sinks: Mosaic error {err_m:.3g}, Triton {err_t:.3g}"
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
+@pytest.mark.parametrize("shape_class", OTHER_KEYS_CLASSES, ids=_other_keys_id)
+def test_mosaic_forward_of_other_keys_matches_triton(shape_class):
+  """Compiled on Hopper, keys of another length or an offset: out and lse as
+  test_mosaic_forward_matches_triton_forward holds them (rows without a key
+  exactly 0 and -inf), and the gradients (the Triton backward on the Mosaic
+  forward's residuals) as test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones."""
+  import ua_reference
+  (q, k, v), options = other_keys_inputs(shape_class)
+  _assert_forward_matches_triton((q, k, v), {}, options)
+  upcast = [x.astype(jnp.float32) for x in (q, k, v)]
+  reference = _gradients(ua_reference.attention, *upcast, {}, options)
+  run = lambda backend: _gradients(
+      functools.partial(ua_kernels.attention, config=KernelConfig(backend=backend)),
+      q, k, v, {}, options)
+  eps = float(jnp.finfo(q.dtype).eps)
+  for name, m, t, r in zip(("dq", "dk", "dv"), run("mosaic"), run("triton"), reference):
+    m, t, r = (np.asarray(x, np.float32) for x in (m, t, r))
+    err_m, err_t = np.max(np.abs(m - r)), np.max(np.abs(t - r))
+    bound = 2 * err_t + eps * np.max(np.abs(r))
+    assert err_m <= bound, f"{name}: Mosaic error {err_m:.3g}, Triton {err_t:.3g}"
 
 
 def test_backend_implementations_declare_what_they_run():

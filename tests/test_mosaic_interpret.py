@@ -11,6 +11,7 @@ registers (p and ds), and a store into an accumulator (the overlapped
 forward's). CI's jax 0.10 has no such interpreter and skips them.
 """
 
+import dataclasses
 import sys
 
 import jax
@@ -29,12 +30,14 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax._src.pallas import core as pallas_core  # noqa: E402
 from jax._src.state import types as state_types  # noqa: E402
 
-from test_mosaic import SHAPE_CLASSES, SINK_CLASSES, _gpu_inputs  # noqa: E402
+from test_mosaic import (OTHER_KEYS_CLASSES, SHAPE_CLASSES, SINK_CLASSES,  # noqa: E402
+                         _gpu_inputs, _other_keys_id, other_keys_inputs)
 from ua_kernels import KernelConfig, MosaicTiles, cap_forms, devices  # noqa: E402
 from ua_kernels.mosaic import backward as mosaic_backward  # noqa: E402
 from ua_kernels.mosaic import common as mosaic_common  # noqa: E402
 from ua_kernels.mosaic import forward as mosaic_forward  # noqa: E402
 from ua_kernels.mosaic.tuned import mosaic_tiles  # noqa: E402
+from ua_kernels.triton.launch import KeyBlock  # noqa: E402
 from ua_kernels.tuned_configs import effective_config  # noqa: E402
 
 attention_module = sys.modules["ua_kernels.attention"]
@@ -201,31 +204,59 @@ def test_a_persistent_overlapped_forward_matches_triton(shape_class, interpreter
   _compare(shape_class, MosaicTiles(persistent=True, overlap_softmax=True), backward=False)
 
 
+def _forward_against_triton(q, k, v, options):
+  """The Mosaic forward (the table's tiles) against the Triton forward, both
+  interpreted, on a call of the contract's full signature as
+  ua_kernels.attention makes it: keys of another length or an offset as a
+  KeyBlock, the offset traced."""
+  call = validate_call(q, k, v, **options)
+  spec, seg, sinks = call.spec, call.segment_ids, call.sinks
+  temp = None if call.temperature is None else call.temperature.astype(jnp.float32)
+  keys = None
+  if spec.kv_seq_len != spec.seq_len or spec.q_offset != 0:
+    keys = KeyBlock(None, jnp.asarray(call.q_offset, jnp.int32))
+    spec = dataclasses.replace(spec, q_offset=None)
+  triton = effective_config(spec, q.dtype, KernelConfig(backend="triton", interpret=True))
+  tiles = effective_config(spec, q.dtype, KernelConfig()).mosaic
+  out, shift, low = attention_module._forward(spec, triton, attention_module.Backends(
+      "triton", "triton"), q, k, v, seg, temp, keys=keys, sinks=sinks)
+  fast_cap = cap_forms.fast_cap(spec, q.dtype)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    out_m, shift_m = mosaic_forward.forward(spec, tiles, q, k, v, seg, temp, fast_cap=fast_cap,
+                                            sinks=sinks,
+                                            offset=None if keys is None else keys.offset)
+  _close("out", out_m, out, q.dtype)
+  # _compare_inputs' bound: a fast cap's tanh is rounded to 11 bits by the Triton interpreter only.
+  _close("lse2", attention_module._lse2(spec, temp, shift_m, None),
+         attention_module._lse2(spec, temp, shift, low), jnp.float32,
+         eps=2.0 ** -11 if fast_cap else 4 * float(jnp.finfo(jnp.float32).eps))
+  return out_m, shift_m
+
+
 @pytest.mark.parametrize("shape_class", SINK_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
 def test_the_forward_with_sinks_matches_triton_in_the_interpreters(shape_class,
                                                                    interpreter_gaps):
   """The sinks' part of the forward, each head's sink joining its rows' mass
-  after the key loop, against the Triton forward's (both forwards the table
-  picks: the persistent one for the packed class). The backward takes no sink
+  (and a cap's rounded row sum) after the key loop, against the Triton
+  forward's (both forwards the table picks: the persistent one for the packed
+  class). The backward takes no sink
   (test_mosaic.test_sinks_lower_to_the_mosaic_kernels)."""
   (q, k, v), inputs, options = _gpu_inputs(shape_class)
-  inputs = dict(inputs)
-  sinks = inputs.pop("sinks")
-  call = validate_call(q, k, v, sinks=sinks, **options, **inputs)
-  spec, seg = call.spec, call.segment_ids
-  temp = None if call.temperature is None else call.temperature.astype(jnp.float32)
-  triton = effective_config(spec, q.dtype, KernelConfig(backend="triton", interpret=True))
-  tiles = effective_config(spec, q.dtype, KernelConfig()).mosaic
-  out, shift, low = attention_module._forward(spec, triton, attention_module.Backends(
-      "triton", "triton"), q, k, v, seg, temp, sinks=sinks)
-  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    out_m, shift_m = mosaic_forward.forward(spec, tiles, q, k, v, seg, temp,
-                                            fast_cap=cap_forms.fast_cap(spec, q.dtype),
-                                            sinks=sinks)
-  _close("out", out_m, out, q.dtype)
-  _close("lse2", attention_module._lse2(spec, temp, shift_m, None),
-         attention_module._lse2(spec, temp, shift, low), jnp.float32,
-         eps=4 * float(jnp.finfo(jnp.float32).eps))
+  _forward_against_triton(q, k, v, {**options, **inputs})
+
+
+@pytest.mark.parametrize("shape_class", OTHER_KEYS_CLASSES, ids=_other_keys_id)
+def test_the_forward_of_other_keys_matches_triton_in_the_interpreters(shape_class,
+                                                                      interpreter_gaps):
+  """Keys of another length or an offset (tile ranges and masks shifted by
+  the traced offset, each side padded to its own tiles); the class with rows
+  before every key gives them out 0 and lse -inf, as the contract says."""
+  (q, k, v), options = other_keys_inputs(shape_class)
+  out, shift = _forward_against_triton(q, k, v, options)
+  if options.get("q_offset", 0) < 0:
+    hidden = -options["q_offset"]
+    assert not np.any(np.asarray(out[:, :hidden], np.float32))
+    assert np.all(np.asarray(shift[:, :, :hidden]) == -np.inf)
 
 
 def _compare(shape_class, tiles, backward=True):

@@ -50,13 +50,20 @@ class Backends(NamedTuple):
   backward: str
 
 
+def _other_keys(spec: StaticSpec, block_keys: bool) -> bool:
+  """Whether the keys are not the queries' own positions: another length, an
+  offset (None: traced), or a KeyBlock (``block_keys``)."""
+  return block_keys or spec.kv_seq_len != spec.seq_len or spec.q_offset != 0
+
+
 def _forward_backend(spec: StaticSpec, config: KernelConfig, dtype, block_keys: bool) -> str:
   if config.backend == "triton":
     return "triton"
   why = mosaic_forward.unsupported(spec, dtype)
-  if block_keys:
-    why = ("keys of another length, offset or segments (and context_parallel's key blocks) "
-           "run on Triton only")
+  other_keys = _other_keys(spec, block_keys)
+  if other_keys and spec.has_segment_ids:
+    why = ("segment ids with keys of another length or offset (the keys' own ids, "
+           "context_parallel's key blocks) run on Triton only")
   if config.backend == "mosaic":
     if why:
       raise ValueError(f"KernelConfig(backend='mosaic'): {why}")
@@ -64,10 +71,10 @@ def _forward_backend(spec: StaticSpec, config: KernelConfig, dtype, block_keys: 
       raise ValueError("KernelConfig(backend='mosaic') cannot run in the Pallas interpreter "
                        "(interpret=True)")
     return "mosaic"
-  # Sinks take the Mosaic forward when asked for; "auto" keeps them on Triton until it has
-  # run compiled (docs/SEMANTICS.md, "Signature").
-  if why is None and not spec.has_sinks and not triton_launch.interpreted(config) \
-      and _is_hopper():
+  # Sinks and keys of another length or offset take the Mosaic forward when asked for;
+  # "auto" keeps them on Triton until it has run compiled (docs/SEMANTICS.md, "Signature").
+  if why is None and not spec.has_sinks and not other_keys \
+      and not triton_launch.interpreted(config) and _is_hopper():
     return "mosaic"
   return "triton"
 
@@ -75,15 +82,17 @@ def _forward_backend(spec: StaticSpec, config: KernelConfig, dtype, block_keys: 
 def backends_for(spec: StaticSpec, config: KernelConfig | None, dtype,
                  block_keys: bool = False) -> Backends:
   """The backends of a call (KernelConfig.backend). "auto" takes Mosaic on
-  Hopper for 16-bit inputs and head dims up to 256; keys from elsewhere
-  (``block_keys``: a KeyBlock) only Triton takes. The backward runs on the
-  forward's backend where that backend's backward supports the call (the
-  Mosaic one: head dims up to 256, above 128 with tiles whose shared memory
-  fits; mosaic.backward.unsupported), else on Triton. ``config`` as given or
+  Hopper for 16-bit inputs and head dims up to 256, equal lengths without an
+  offset or sinks; the Mosaic forward takes those too when asked for, but not
+  with segment ids (keys from elsewhere, ``block_keys``: a KeyBlock, with
+  their own ids). The backward runs on the forward's backend where that
+  backend's backward supports the call (the Mosaic one: the queries' own keys,
+  head dims up to 256, above 128 with tiles whose shared memory fits;
+  mosaic.backward.unsupported), else on Triton. ``config`` as given or
   effective: its unset tiles are the table's here too."""
   config = effective_config(spec, dtype, config)
   forward = _forward_backend(spec, config, dtype, block_keys)
-  backward = ("mosaic" if forward == "mosaic"
+  backward = ("mosaic" if forward == "mosaic" and not _other_keys(spec, block_keys)
               and mosaic_backward.unsupported(spec, dtype, config.mosaic) is None else "triton")
   return Backends(forward, backward)
 
@@ -104,7 +113,8 @@ def _forward(spec: StaticSpec, config: KernelConfig, backends: Backends, q, k, v
   fast_cap = cap_forms.fast_cap(spec, q.dtype)
   if backends.forward == "mosaic":
     return (*mosaic_forward.forward(spec, config.mosaic, q, k, v, seg, temp, fast_cap=fast_cap,
-                                    sinks=sinks), None)
+                                    sinks=sinks, offset=None if keys is None else keys.offset),
+            None)
   launch = triton_decode if triton_decode.applies(spec, config) else triton_launch
   return launch.forward(spec, config, q, k, v, seg, temp, keys, fast_cap=fast_cap, sinks=sinks)
 

@@ -51,7 +51,8 @@ mosaic_attention.ua_head_dims = lambda d: d <= mosaic_forward.MAX_HEAD_DIM
 # of 64 (dq's key tiles 128).
 mosaic_attention.ua_block_sizes = (64, 128)
 mosaic_attention.ua_cap_forms = cap_forms.fast_forms
-# Keys of another length, offsets and the keys' own ids run on Triton only.
+# The Mosaic forward takes keys of another length and offsets, but not with segment ids, which
+# a declaration cannot say: the suite draws neither for it (docs/PLUGINS.md).
 mosaic_attention.ua_unsupported = ("kv_length", "q_offset", "kv_segment_ids")
 
 # It takes every keyword of the op it forces (the suite reads a callable's signature

@@ -88,7 +88,7 @@ class SoftmaxState(NamedTuple):
     p_sink = jnp.broadcast_to(fast_math.exp2((sink - m_safe) * scale), self.l.shape)
     l_used = self.rescaled_used(correction)
     if l_used is not None:
-      l_used = l_used + (p_sink if l_used.ndim == 1 else p_sink[:, None])
+      l_used = l_used + (p_sink if l_used.ndim == 1 else along_rows(p_sink, l_used))
     return SoftmaxState(m, correction * self.l + p_sink, self.rescaled_acc(correction), l_used)
 
   def finalize(self, scale: float, with_low: bool = False):

@@ -126,14 +126,14 @@ def position_tiles(shape, q_start, k_start, query_axis: int):
 
 
 def tile_logits(spec: StaticSpec, scores, temp, q_start, k_start, *, masked: TileMask,
-                seg_ref, batch, padded: bool, fast_cap: bool, query_axis: int = 0):
+                seg_ref, batch, padded: bool, fast_cap: bool, query_axis: int = 0, delta=None):
   """The logits of a score tile (tile_math.scores_to_logits) whose queries
   start at ``q_start`` and keys at ``k_start``, along ``query_axis``, hidden
   by tile_math.visible_mask as ``masked`` (tile_loop's TileMask) says. The
   tile's segment ids are read here from ``seg_ref`` (None: no segment ids),
   only for a FULL mask: a read of global memory in the tile's critical path,
   which the tiles inside one run of one id (a causal diagonal inside a
-  document) do not need."""
+  document) do not need. ``delta``: visible_mask's (the queries' offset)."""
   mask = None
   if masked:
     mgpu = plgpu()
@@ -144,7 +144,8 @@ def tile_logits(spec: StaticSpec, scores, temp, q_start, k_start, *, masked: Til
     q_seg, k_seg = ((load_vector(seg_ref.at[batch, pl.ds(q_start, q_len)], q_layout),
                      load_vector(seg_ref.at[batch, pl.ds(k_start, k_len)], k_layout))
                     if seg_ref is not None and masked is TileMask.FULL else (None, None))
-    mask = visible_mask(spec, q_pos, k_pos, q_seg, k_seg, padded=padded, query_axis=query_axis)
+    mask = visible_mask(spec, q_pos, k_pos, q_seg, k_seg, padded=padded, query_axis=query_axis,
+                        delta=delta)
   return scores_to_logits(spec, scores, temp, mask, fast_cap, query_axis=query_axis)
 
 

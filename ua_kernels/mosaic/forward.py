@@ -174,7 +174,9 @@ def _scratch(p: ForwardParams, refs) -> _Scratch:
 class _Item(NamedTuple):
   """One work item, the 2 * block_q query rows of q tile ``tile`` of (batch
   ``bi``, query head ``h``): its key-tile range [lo, hi), the hull of both
-  compute warpgroups' ranges, and the calling warpgroup's own segment span."""
+  compute warpgroups' ranges, the calling warpgroup's own segment span, and
+  ``delta``: how far the queries' positions lie after the keys' (the
+  contract's q_offset; None for 0)."""
   bi: Any
   h: Any
   tile: Any
@@ -183,17 +185,18 @@ class _Item(NamedTuple):
   hi: Any
   own_span: Any
   own_uniform: Any
+  delta: Any
 
 
-def _item(p: ForwardParams, spans_ref, bi, h, tile, wg) -> _Item:
+def _item(p: ForwardParams, spans_ref, bi, h, tile, wg, delta) -> _Item:
   hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
   lo, hi = program_tiles(kv_tiles(
-      p.spec_padded, tile * p.rows, p.rows, p.block_kv, p.padded, hull))
+      p.spec_padded, tile * p.rows, p.rows, p.block_kv, p.padded, hull, delta=delta))
   return _Item(bi, h, tile, lax.div(h, jnp.int32(p.spec.group_size)), lo, hi, own_span,
-               own_uniform)
+               own_uniform, delta)
 
 
-def _work(p: ForwardParams, spans_ref, wg):
+def _work(p: ForwardParams, spans_ref, wg, delta):
   """(count, item_of): the number of work items of this program and its i-th
   item. Persistent programs take items program, program + programs, ... in
   the order q tiles, heads, batch (the programs at work at once share a head's
@@ -202,7 +205,7 @@ def _work(p: ForwardParams, spans_ref, wg):
   mask)."""
   if not p.programs:
     item = _item(p, spans_ref, lax.axis_index("batch"), lax.axis_index("heads"),
-                 launched_q_tile(p.spec, p.q_tiles), wg)
+                 launched_q_tile(p.spec, p.q_tiles), wg, delta)
     return 1, lambda i: item
   program = lax.axis_index("programs")
   count = lax.div(jnp.int32(p.items + p.programs - 1) - program, jnp.int32(p.programs))
@@ -212,7 +215,7 @@ def _work(p: ForwardParams, spans_ref, wg):
     rest = lax.div(w, jnp.int32(p.q_tiles))
     return _item(p, spans_ref, lax.div(rest, jnp.int32(p.spec.num_q_heads)),
                  lax.rem(rest, jnp.int32(p.spec.num_q_heads)),
-                 lax.rem(w, jnp.int32(p.q_tiles)), wg)
+                 lax.rem(w, jnp.int32(p.q_tiles)), wg, delta)
 
   return count, item_of
 
@@ -231,16 +234,18 @@ def _over_items(count, item_of, body):
 
 
 def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, temp_ref,
-                   ones_ref, sink_ref, out_ref, lse_ref, *scratch_refs):
+                   ones_ref, sink_ref, offset_ref, out_ref, lse_ref, *scratch_refs):
   """One program: warpgroups 0 and 1 compute (_forward_compute), 2 streams the
   key and value tiles of the hull of their ranges (common.ring_steps),
   for each of the program's work items (_work). ``ones_ref`` and the ones'
   scratch only with ``p.rounded_sum``; ``sink_ref`` [Hq, block_q] (each head's
-  sink in the scores' units, a row of one value) only with ``p.has_sinks``."""
+  sink in the scores' units, a row of one value) only with ``p.has_sinks``;
+  ``offset_ref`` [1] int32 (the queries' offset among the keys' positions) or
+  None for 0."""
   plgpu = common.plgpu()
   sc = _scratch(p, scratch_refs)
   wg = lax.axis_index("wg")
-  count, item_of = _work(p, spans_ref, wg)
+  count, item_of = _work(p, spans_ref, wg, None if offset_ref is None else offset_ref[0])
 
   def ring(item, base):
     return _Ring(item.lo, item.hi, item.lo - base, sc.k_smem, sc.v_smem, sc.k_loaded,
@@ -340,7 +345,7 @@ def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, sink_ref,
     schedule_sync()
     return carry
 
-  row = _Row(q_smem, ones_smem, seg_ref, bi, q_start, q_temp)
+  row = _Row(q_smem, ones_smem, seg_ref, bi, q_start, q_temp, item.delta)
 
   def visit(kb, state, masked):
     return _forward_step(p, ring, row, kb, state, masked)
@@ -354,7 +359,7 @@ def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, sink_ref,
                         plgpu.Layout.WGMMA) if p.rounded_sum else None)
   tiles = own_tiles(kv_tiles(
       p.spec_padded, q_start, block_q, block_kv, p.padded,
-      item.own_span, item.own_uniform), ring.lo, ring.hi)
+      item.own_span, item.own_uniform, delta=item.delta), ring.lo, ring.hi)
   pl.when(wg == 1)(schedule_sync)
   state = lax.fori_loop(ring.lo, tiles.lo, drain, state)
   if p.overlap_softmax:
@@ -396,13 +401,14 @@ def _schedule_sync(schedule):
 class _Row(NamedTuple):
   """What every key tile of one compute warpgroup's rows reads: its Q tile,
   the ones tile (None without ``rounded_sum``), the segment ids, the batch,
-  the first row and the rows' temperatures (None without)."""
+  the first row, the rows' temperatures (None without) and _Item's delta."""
   q_smem: Any
   ones_smem: Any
   seg_ref: Any
   bi: Any
   q_start: Any
   q_temp: Any
+  delta: Any
 
 
 def _forward_step(p: ForwardParams, ring: _Ring, row: _Row, kb, state, masked):
@@ -444,7 +450,7 @@ def _softmax_of_tile(p: ForwardParams, ring: _Ring, row: _Row, kb, state, masked
 def _softmax_step(p: ForwardParams, row: _Row, kb, state, scores, masked):
   logits = tile_logits(p.spec, scores, row.q_temp, row.q_start, kb * p.block_kv,
                        masked=masked, seg_ref=row.seg_ref, batch=row.bi, padded=p.padded,
-                       fast_cap=p.fast_cap)
+                       fast_cap=p.fast_cap, delta=row.delta)
   return state.step(logits, p.shift)
 
 
@@ -539,24 +545,31 @@ def _overlapped_step(p: ForwardParams, ring: _Ring, row: _Row, kb, carry, masked
 
 
 def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_cap: bool,
-            sinks=None):
-  """(out [B, T, Hq, D], shift [B, Hq, T]: SoftmaxState.finalize's row
+            sinks=None, offset=None):
+  """(out [B, Tq, Hq, D], shift [B, Hq, Tq]: SoftmaxState.finalize's row
   statistic, without low) of the unpadded inputs;
-  ``seg`` [B, T] int32 or None; ``temp`` [B, T, Hq] float32 or None;
-  ``sinks`` [Hq] (natural units, docs/SEMANTICS.md) or None."""
+  ``seg`` [B, T] int32 or None (equal lengths, no offset); ``temp`` [B, Tq, Hq]
+  float32 or None; ``sinks`` [Hq] (natural units, docs/SEMANTICS.md) or None;
+  ``offset`` an int32 scalar, traced or not, how far the queries' positions
+  lie after the keys' (the contract's q_offset), or None for 0. Keys of
+  another length pad to their own tiles, the queries to theirs."""
   b, t, hq, d = q.shape
+  t_kv = k.shape[1]
   dtype = q.dtype
   head_dim = common.padded_head_dim(d)
   rows = 2 * tiles.block_q
-  seq_pad = common.padded_length(t, rows, tiles.block_kv)
+  if t_kv == t:
+    seq_pad = kv_pad = common.padded_length(t, rows, tiles.block_kv)
+  else:
+    seq_pad, kv_pad = common.padded_length(t, rows), common.padded_length(t_kv, tiles.block_kv)
   has_seg, has_temp = seg is not None, temp is not None
   p = ForwardParams(
       spec=spec,
       # kv_tiles/kv_block_range count tiles over the padded length; masks use
       # spec's own seq_len (visible_mask's padded flag hides the padding).
-      spec_padded=dataclasses.replace(spec, seq_len=seq_pad, kv_seq_len=seq_pad),
+      spec_padded=dataclasses.replace(spec, seq_len=seq_pad, kv_seq_len=kv_pad),
       dtype=dtype, block_q=tiles.block_q, block_kv=tiles.block_kv, head_dim=head_dim,
-      stages=min(tiles.stages, seq_pad // tiles.block_kv), padded=seq_pad != t,
+      stages=min(tiles.stages, kv_pad // tiles.block_kv), padded=(seq_pad, kv_pad) != (t, t_kv),
       has_temp=has_temp, shift=fixed_shift(spec, dtype, has_temp), fast_cap=fast_cap,
       rounded_sum=sums_rounded(spec, dtype), q_tiles=seq_pad // rows,
       overlap_softmax=tiles.overlap_softmax, has_sinks=sinks is not None)
@@ -566,7 +579,8 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
     if common.scratch_bytes(forward_scratch(with_out)) <= common.MAX_SHARED_MEMORY:
       p = with_out
 
-  q, k, v = (pad(x, {1: seq_pad, 3: head_dim}) for x in (q, k, v))
+  q = pad(q, {1: seq_pad, 3: head_dim})
+  k, v = (pad(x, {1: kv_pad, 3: head_dim}) for x in (k, v))
   spans = tile_ranges(seg, seq_pad, p.block_q) if has_seg else None
   seg = pad(seg, {1: seq_pad}) if has_seg else None
   temp = pad(jnp.transpose(temp, (0, 2, 1)), {2: seq_pad}) if has_temp else None
@@ -586,5 +600,6 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
       kernel_name="ua_forward_mosaic",
   )
   with fast_math.native("mosaic"):
-    out, shift = call(q, k, v, seg, spans, temp, ones, sink_rows)
+    out, shift = call(q, k, v, seg, spans, temp, ones, sink_rows,
+                      None if offset is None else jnp.reshape(jnp.asarray(offset, jnp.int32), (1,)))
   return out[:, :t, :, :d], shift[:, :, :t]
