@@ -2,7 +2,8 @@
 and warpgroup specialisation, which Pallas-Triton does not emit.
 
 ``forward`` pads the inputs and calls ``forward_kernel`` with a ForwardParams
-(the kernel's static parameters) and the scratch of ``forward_scratch``.
+(the kernel's static parameters) and the scratch of ``forward_scratch``
+(both in forward_program.py, with the work items).
 
 Structure of JAX's ``attention_mgpu.py`` forward: a work item is 2 * block_q
 query rows of one (batch, query head); three warpgroups share a program. Two
@@ -17,7 +18,7 @@ with its own previous tile's P @ V (``_overlapped_tiles``), unscheduled.
 
 A program owns one work item (the grid is heads x q tiles x batch) or, with
 MosaicTiles.persistent, is one of a multiprocessor count of programs that take
-items in turn (``_work``), as tokamax's sm90 forward does where items are of
+items in turn (forward_program.work), as tokamax's sm90 forward does where items are of
 equal work (the tuned table runs it wherever there is no causal mask or window,
 packed documents included: mosaic.tuned.mosaic_tiles): the ring's slots run
 on across items, so the next item's first K/V tiles load while this one ends,
@@ -58,9 +59,10 @@ from ua_reference.contract import StaticSpec
 
 from .. import devices, fast_math
 from . import common
-from .common import (RingCopy, launched_q_tile, load_vector, own_tiles, program_spans,
-                            program_tiles, ring_slot, tile_logits)
+from .common import RingCopy, load_vector, own_tiles, ring_slot, tile_logits
 from .config import MosaicTiles
+from .forward_program import (USED_SUM_COLUMNS, ForwardParams, Item, forward_scratch,
+                              over_items, scratch_of, work)
 from ..padding import pad
 from ..segment_spans import tile_ranges
 from ..softmax_state import SoftmaxState, sums_rounded
@@ -68,9 +70,6 @@ from ..tile_math import LOG2E, exp2_scale, fixed_shift, kv_tiles, tile_loop
 
 # 256 is the largest head dim whose tiles fit the shared memory.
 MAX_HEAD_DIM = 256
-# Columns of the ones tile whose product with P sums P as the tensor cores used
-# it (sums_rounded): wgmma's narrowest N.
-USED_SUM_COLUMNS = 8
 
 
 def unsupported(spec: StaticSpec, dtype) -> str | None:
@@ -82,170 +81,19 @@ def unsupported(spec: StaticSpec, dtype) -> str | None:
   return None
 
 
-@dataclasses.dataclass(frozen=True)
-class ForwardParams:
-  """The static parameters of one forward kernel: the contract's rules
-  (``spec``; ``spec_padded`` is it over the padded length, which tile ranges
-  count over), the tiles, the inputs' dtype and options, and the work's
-  layout: ``programs`` persistent programs (0: one program per work item, a
-  grid of heads x q_tiles x batch)."""
-  spec: StaticSpec
-  spec_padded: StaticSpec
-  dtype: Any
-  block_q: int          # rows of one compute warpgroup; a program owns 2 * block_q
-  block_kv: int
-  head_dim: int         # padded (common.padded_head_dim)
-  stages: int
-  padded: bool          # the sequence is padded (visible_mask hides the padding)
-  has_temp: bool
-  shift: float | None   # tile_math.fixed_shift
-  fast_cap: bool
-  rounded_sum: bool     # softmax_state.sums_rounded: out normalised by P @ ones
-  q_tiles: int = 1      # work items per (batch, head): padded length / rows
-  programs: int = 0     # persistent programs (0: not persistent)
-  separate_out: bool = False  # O leaves through its own buffer, not Q's
-  overlap_softmax: bool = False  # MosaicTiles.overlap_softmax (_overlapped_tiles)
-  has_sinks: bool = False  # a sink logit per head joins each row's mass at the end
-
-  @property
-  def rows(self) -> int:
-    return 2 * self.block_q
-
-  @property
-  def items(self) -> int:
-    return self.spec.batch * self.spec.num_q_heads * self.q_tiles
-
-
-def forward_scratch(p: ForwardParams) -> list:
-  """The forward kernel's shared memory: Q tiles (which hold O on its way out
-  unless ``separate_out``), the K and V rings, the lse rows, then the
-  barriers: Q loaded, K and V loaded per slot, K and V free per slot, the
-  schedule barrier; with ``rounded_sum`` a ones tile per compute warpgroup
-  and its loaded barrier; with ``separate_out`` O's tiles."""
-  plgpu = common.plgpu()
-  swizzled = common.swizzled()
-  rounded = [
-      plgpu.SMEM((2, USED_SUM_COLUMNS, p.block_kv), p.dtype, transforms=swizzled),
-      plgpu.Barrier(num_barriers=2),
-  ] if p.rounded_sum else []
-  out = ([plgpu.SMEM((2, p.block_q, p.head_dim), p.dtype, transforms=swizzled)]
-         if p.separate_out else [])
-  return [
-      plgpu.SMEM((2, p.block_q, p.head_dim), p.dtype, transforms=swizzled),
-      plgpu.SMEM((p.stages, p.block_kv, p.head_dim), p.dtype, transforms=swizzled),
-      plgpu.SMEM((p.stages, p.block_kv, p.head_dim), p.dtype, transforms=swizzled),
-      plgpu.SMEM((2, p.block_q), jnp.float32),
-      plgpu.Barrier(num_barriers=2),
-      plgpu.Barrier(num_barriers=p.stages),
-      plgpu.Barrier(num_barriers=p.stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=p.stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=p.stages),
-      plgpu.Barrier(num_arrivals=2),
-      *rounded,
-      *out,
-  ]
-
-
-class _Scratch(NamedTuple):
-  """forward_scratch's refs by name; ``out_smem2`` is Q's tiles unless
-  ``separate_out``, the ones' refs None without ``rounded_sum``."""
-  q_smem2: Any
-  k_smem: Any
-  v_smem: Any
-  lse_smem2: Any
-  q_loaded: Any
-  k_loaded: Any
-  v_loaded: Any
-  k_free: Any
-  v_free: Any
-  schedule: Any
-  ones_smem2: Any
-  ones_loaded: Any
-  out_smem2: Any
-
-
-def _scratch(p: ForwardParams, refs) -> _Scratch:
-  fixed, rest = list(refs[:10]), list(refs[10:])
-  ones = [rest.pop(0), rest.pop(0)] if p.rounded_sum else [None, None]
-  out = rest.pop(0) if p.separate_out else fixed[0]
-  return _Scratch(*fixed, *ones, out)
-
-
-class _Item(NamedTuple):
-  """One work item, the 2 * block_q query rows of q tile ``tile`` of (batch
-  ``bi``, query head ``h``): its key-tile range [lo, hi), the hull of both
-  compute warpgroups' ranges, the calling warpgroup's own segment span, and
-  ``delta``: how far the queries' positions lie after the keys' (the
-  contract's q_offset; None for 0)."""
-  bi: Any
-  h: Any
-  tile: Any
-  kv_head: Any
-  lo: Any
-  hi: Any
-  own_span: Any
-  own_uniform: Any
-  delta: Any
-
-
-def _item(p: ForwardParams, spans_ref, bi, h, tile, wg, delta) -> _Item:
-  hull, own_span, own_uniform = program_spans(spans_ref, bi, tile, wg)
-  lo, hi = program_tiles(kv_tiles(
-      p.spec_padded, tile * p.rows, p.rows, p.block_kv, p.padded, hull, delta=delta))
-  return _Item(bi, h, tile, lax.div(h, jnp.int32(p.spec.group_size)), lo, hi, own_span,
-               own_uniform, delta)
-
-
-def _work(p: ForwardParams, spans_ref, wg, delta):
-  """(count, item_of): the number of work items of this program and its i-th
-  item. Persistent programs take items program, program + programs, ... in
-  the order q tiles, heads, batch (the programs at work at once share a head's
-  keys and values in L2); otherwise the program's one item is its grid
-  position, its query tile launched_q_tile's (the last first under a causal
-  mask)."""
-  if not p.programs:
-    item = _item(p, spans_ref, lax.axis_index("batch"), lax.axis_index("heads"),
-                 launched_q_tile(p.spec, p.q_tiles), wg, delta)
-    return 1, lambda i: item
-  program = lax.axis_index("programs")
-  count = lax.div(jnp.int32(p.items + p.programs - 1) - program, jnp.int32(p.programs))
-
-  def item_of(i):
-    w = program + i * p.programs
-    rest = lax.div(w, jnp.int32(p.q_tiles))
-    return _item(p, spans_ref, lax.div(rest, jnp.int32(p.spec.num_q_heads)),
-                 lax.rem(rest, jnp.int32(p.spec.num_q_heads)),
-                 lax.rem(w, jnp.int32(p.q_tiles)), wg, delta)
-
-  return count, item_of
-
-
-def _over_items(count, item_of, body):
-  """body(i, item, base) for each of ``count`` items, ``base`` the ring steps
-  of the items before; returns the ring steps of all of them."""
-  def step(i, base):
-    item = item_of(i)
-    body(i, item, base)
-    return base + item.hi - item.lo
-
-  if isinstance(count, int):  # one program per item
-    return step(0, jnp.int32(0))
-  return lax.fori_loop(0, count, step, jnp.int32(0))
-
-
 def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, temp_ref,
                    ones_ref, sink_ref, offset_ref, out_ref, lse_ref, *scratch_refs):
   """One program: warpgroups 0 and 1 compute (_forward_compute), 2 streams the
   key and value tiles of the hull of their ranges (common.ring_steps),
-  for each of the program's work items (_work). ``ones_ref`` and the ones'
+  for each of the program's work items (forward_program.work). ``ones_ref`` and the ones'
   scratch only with ``p.rounded_sum``; ``sink_ref`` [Hq, block_q] (each head's
   sink in the scores' units, a row of one value) only with ``p.has_sinks``;
   ``offset_ref`` [1] int32 (the queries' offset among the keys' positions) or
   None for 0."""
   plgpu = common.plgpu()
-  sc = _scratch(p, scratch_refs)
+  sc = scratch_of(p, scratch_refs)
   wg = lax.axis_index("wg")
-  count, item_of = _work(p, spans_ref, wg, None if offset_ref is None else offset_ref[0])
+  count, item_of = work(p, spans_ref, wg, None if offset_ref is None else offset_ref[0])
 
   def ring(item, base):
     return _Ring(item.lo, item.hi, item.lo - base, sc.k_smem, sc.v_smem, sc.k_loaded,
@@ -278,7 +126,7 @@ def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, te
                        q_smem, sc.out_smem2.at[wg], sc.lse_smem2.at[wg], q_loaded, ones_smem,
                        item, wg, load_next_q)
 
-    _over_items(count, item_of, compute)
+    over_items(count, item_of, compute)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
@@ -295,7 +143,7 @@ def forward_kernel(p: ForwardParams, q_ref, k_ref, v_ref, seg_ref, spans_ref, te
         return (item.bi, pl.ds(kb * p.block_kv, p.block_kv), item.kv_head)
       common.ring_steps(item.lo, item.hi, item.lo - base, p.stages, locate, groups)
 
-    common.ring_observe(_over_items(count, item_of, stream), p.stages, groups)
+    common.ring_observe(over_items(count, item_of, stream), p.stages, groups)
 
 
 class _Ring(NamedTuple):
@@ -315,7 +163,7 @@ class _Ring(NamedTuple):
 
 
 def _forward_compute(p: ForwardParams, ring: _Ring, seg_ref, temp_ref, sink_ref, out_ref,
-                     lse_ref, q_smem, out_smem, lse_smem, q_loaded, ones_smem, item: _Item, wg,
+                     lse_ref, q_smem, out_smem, lse_smem, q_loaded, ones_smem, item: Item, wg,
                      load_next_q):
   """Compute warpgroup ``wg`` on one item: the online softmax of its block_q
   rows (their Q copy issued before) over its own key tiles, draining the
@@ -401,7 +249,7 @@ def _schedule_sync(schedule):
 class _Row(NamedTuple):
   """What every key tile of one compute warpgroup's rows reads: its Q tile,
   the ones tile (None without ``rounded_sum``), the segment ids, the batch,
-  the first row, the rows' temperatures (None without) and _Item's delta."""
+  the first row, the rows' temperatures (None without) and Item's delta."""
   q_smem: Any
   ones_smem: Any
   seg_ref: Any
