@@ -20,6 +20,7 @@ import ua_kernels
 from ua_kernels import KernelConfig, MosaicTiles, devices
 from ua_kernels.attention import _is_hopper, backends_for
 from ua_kernels.mosaic import backward as mosaic_backward
+from ua_kernels.mosaic import forward as mosaic_forward
 from ua_kernels.tuned_configs import effective_config
 from ua_reference.contract import validate, validate_call
 
@@ -183,6 +184,21 @@ def test_segment_ids_with_other_keys_are_refused_by_the_mosaic_forward():
   ids = jnp.zeros((1, 64), jnp.int32)
   with pytest.raises(ValueError, match="segment ids with keys of another length or offset"):
     ua_kernels.attention(x, x, x, segment_ids=ids, q_offset=3, config=MOSAIC)
+  spec = validate(x, x, x, segment_ids=ids)[0]
+  with pytest.raises(ValueError, match="segment ids only with the queries' own keys"):
+    mosaic_forward.forward(spec, MosaicTiles(block_q=64, block_kv=64, stages=2), x, x, x, ids,
+                           None, fast_cap=False, offset=jnp.int32(3))
+
+
+def test_a_key_block_without_segment_ids_lowers_to_the_mosaic_forward():
+  """attention_block (context_parallel's pairs) with the Mosaic forward asked
+  for: a window across the block's edge, the offset traced."""
+  from ua_kernels.attention import attention_block
+  x = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  block = lambda q, k, v, offset: attention_block(q, k, v, offset=offset, causal=True,
+                                                  window_len=40, config=MOSAIC)
+  text = _lowered_text(block, (x, x, x, jax.ShapeDtypeStruct((), jnp.int32)), {})
+  assert "ua_forward_mosaic" in text
 
 
 def test_shared_memory_overflow_is_a_lowering_error():

@@ -247,7 +247,8 @@ def attention_block(q, k, v, *, offset, segment_ids=None, kv_segment_ids=None, c
   traced or not) after the keys'; ``segment_ids`` are the queries',
   ``kv_segment_ids`` the keys' (both or neither). ``window_len`` is the
   sequence's (not clamped to this block's length). Gradients flow to q, k, v
-  and lse as in ``attention``; the Triton kernels run it. For
+  and lse as in ``attention``; the Triton kernels run it (the Mosaic forward
+  when asked for, without segment ids; its backward on Triton). For
   context_parallel, which merges such blocks through their lse."""
   if (segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("segment_ids and kv_segment_ids go together: the queries' and the "

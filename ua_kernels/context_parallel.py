@@ -15,7 +15,8 @@ docs/CONTEXT_PARALLEL.md.
 Windows and segment ids take the kernels' key blocks (attention.attention_block): a
 window that crosses a shard boundary sees keys of another shard at their own positions,
 and a document that spans shards is matched by the keys' own segment ids, which travel
-around the ring with their shard. Those pairs run on the Triton kernels.
+around the ring with their shard. Those pairs run on the Triton kernels (without segment
+ids, the Mosaic forward where the config asks for it; docs/SEMANTICS.md).
 """
 
 from __future__ import annotations

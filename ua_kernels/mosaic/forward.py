@@ -403,6 +403,9 @@ def forward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, *, fast_ca
   another length pad to their own tiles, the queries to theirs."""
   b, t, hq, d = q.shape
   t_kv = k.shape[1]
+  if seg is not None and (t_kv != t or offset is not None):
+    raise ValueError("the Mosaic forward takes segment ids only with the queries' own keys "
+                     "(equal lengths, no offset)")
   dtype = q.dtype
   head_dim = common.padded_head_dim(d)
   rows = 2 * tiles.block_q

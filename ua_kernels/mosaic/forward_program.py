@@ -144,7 +144,7 @@ def work(p: ForwardParams, spans_ref, wg, delta):
   mask)."""
   if not p.programs:
     item = work_item(p, spans_ref, lax.axis_index("batch"), lax.axis_index("heads"),
-                 launched_q_tile(p.spec, p.q_tiles), wg, delta)
+                     launched_q_tile(p.spec, p.q_tiles), wg, delta)
     return 1, lambda i: item
   program = lax.axis_index("programs")
   count = lax.div(jnp.int32(p.items + p.programs - 1) - program, jnp.int32(p.programs))
@@ -153,8 +153,8 @@ def work(p: ForwardParams, spans_ref, wg, delta):
     w = program + i * p.programs
     rest = lax.div(w, jnp.int32(p.q_tiles))
     return work_item(p, spans_ref, lax.div(rest, jnp.int32(p.spec.num_q_heads)),
-                 lax.rem(rest, jnp.int32(p.spec.num_q_heads)),
-                 lax.rem(w, jnp.int32(p.q_tiles)), wg, delta)
+                     lax.rem(rest, jnp.int32(p.spec.num_q_heads)),
+                     lax.rem(w, jnp.int32(p.q_tiles)), wg, delta)
 
   return count, item_of
 
