@@ -134,19 +134,25 @@ def sink_rows(options, time_interleaved, fwd_bwd) -> list:
       impls[f"{name} sinks"] = functools.partial(
           lambda q, k, v, config: ua_kernels.attention(q, k, v, sinks=sinks, causal=causal,
                                                        config=config), config=config)
-    fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, (q, k, v), options.repeats)
-    bwd = time_interleaved({n: fwd_bwd(f) for n, f in impls.items()}, (q, k, v), options.repeats)
+    times = _fwd_and_fwd_bwd(impls, (q, k, v), options, time_interleaved, fwd_bwd)
     label = f"sinks B{b} Tq{tq} Tk{tk} H{h} D{d}" + (" causal" if causal else "") + \
         ("" if dtype == jnp.bfloat16 else " f16")
-    for name in impls:
-      row = {"case": f"{label} {name.split()[-1]}", "impl": name.split()[0], "feature": name}
-      failed = [r for r in (fwd[name], bwd[name]) if isinstance(r, Exception)]
-      if failed:
-        row["error"] = f"{type(failed[0]).__name__}: {failed[0]}"[:200]
-      else:
-        row.update(fwd_ms=fwd[name], fwd_bwd_ms=bwd[name])
-      rows.append(row)
+    rows += [{"case": f"{label} {name.split()[-1]}", "impl": name.split()[0], "feature": name,
+              **times[name]} for name in impls]
   return rows
+
+
+def _fwd_and_fwd_bwd(impls, args, options, time_interleaved, fwd_bwd) -> dict:
+  """name -> {fwd_ms, fwd_bwd_ms} of each implementation, each direction timed
+  in one round-robin group, or {error} where either failed."""
+  fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, args, options.repeats)
+  bwd = time_interleaved({n: fwd_bwd(f) for n, f in impls.items()}, args, options.repeats)
+  times = {}
+  for name in impls:
+    failed = [r for r in (fwd[name], bwd[name]) if isinstance(r, Exception)]
+    times[name] = ({"error": f"{type(failed[0]).__name__}: {failed[0]}"[:200]} if failed
+                   else {"fwd_ms": fwd[name], "fwd_bwd_ms": bwd[name]})
+  return times
 
 
 def other_keys_rows(options, time_interleaved, fwd_bwd) -> list:
@@ -160,18 +166,10 @@ def other_keys_rows(options, time_interleaved, fwd_bwd) -> list:
     impls = {f"ua_kernels[{backend}]": functools.partial(
         ua_kernels.attention, causal=causal, config=KernelConfig(backend=backend))
         for backend in ("triton", "mosaic")}
-    fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, (q, k, v), options.repeats)
-    bwd = time_interleaved({n: fwd_bwd(f) for n, f in impls.items()}, (q, k, v), options.repeats)
+    times = _fwd_and_fwd_bwd(impls, (q, k, v), options, time_interleaved, fwd_bwd)
     label = (f"keys B{b} Tq{tq} Tk{tk} H{hq}/{hkv} D{d}" + (" causal" if causal else "")
              + ("" if dtype == jnp.bfloat16 else " f16"))
-    for name in impls:
-      row = {"case": label, "impl": name}
-      failed = [r for r in (fwd[name], bwd[name]) if isinstance(r, Exception)]
-      if failed:
-        row["error"] = f"{type(failed[0]).__name__}: {failed[0]}"[:200]
-      else:
-        row.update(fwd_ms=fwd[name], fwd_bwd_ms=bwd[name])
-      rows.append(row)
+    rows += [{"case": label, "impl": name, **times[name]} for name in impls]
   return rows
 
 

@@ -421,20 +421,30 @@ def test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones(shape_cla
   math in other tile orders and roundings) plus one 16-bit rounding of the
   gradient's scale. A wrong mask, tile range or missing term errs by the size
   of the gradient itself."""
-  import ua_reference
   (q, k, v), inputs, options = _gpu_inputs(shape_class)
+  _assert_gradients_as_close_as_triton(q, k, v, inputs, options)
+
+
+def _assert_gradients_as_close_as_triton(q, k, v, inputs, options):
+  """dq, dk, dv of the Mosaic backend against the float32 reference, each as
+  _assert_as_close_as_triton holds it."""
+  import ua_reference
   upcast = [x.astype(jnp.float32) for x in (q, k, v)]
   reference = _gradients(ua_reference.attention, *upcast, inputs, options)
   run = lambda backend: _gradients(
       functools.partial(ua_kernels.attention, config=KernelConfig(backend=backend)),
       q, k, v, inputs, options)
-  mosaic, triton = run("mosaic"), run("triton")
-  eps = float(jnp.finfo(q.dtype).eps)
-  for name, m, t, r in zip(("dq", "dk", "dv"), mosaic, triton, reference):
-    m, t, r = (np.asarray(x, np.float32) for x in (m, t, r))
-    err_m, err_t = np.max(np.abs(m - r)), np.max(np.abs(t - r))
-    bound = 2 * err_t + eps * np.max(np.abs(r))
-    assert err_m <= bound, f"{name}: Mosaic error {err_m:.3g}, Triton {err_t:.3g}"
+  for name, m, t, r in zip(("dq", "dk", "dv"), run("mosaic"), run("triton"), reference):
+    _assert_as_close_as_triton(name, m, t, r, q.dtype)
+
+
+def _assert_as_close_as_triton(name, mosaic, triton, reference, dtype):
+  """The Mosaic result's largest error against ``reference`` within twice the
+  Triton one's plus one rounding of ``dtype`` at the reference's scale."""
+  m, t, r = (np.asarray(x, np.float32) for x in (mosaic, triton, reference))
+  err_m, err_t = np.max(np.abs(m - r)), np.max(np.abs(t - r))
+  bound = 2 * err_t + float(jnp.finfo(dtype).eps) * np.max(np.abs(r))
+  assert err_m <= bound, f"{name}: Mosaic error {err_m:.3g}, Triton {err_t:.3g}"
 
 
 @pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
@@ -458,9 +468,7 @@ def test_mosaic_with_sinks_matches_triton(shape_class):
   mosaic, triton = (dsinks(functools.partial(ua_kernels.attention,
                                              config=KernelConfig(backend=backend)), *qkv)
                     for backend in ("mosaic", "triton"))
-  err_m, err_t = np.max(np.abs(mosaic - reference)), np.max(np.abs(triton - reference))
-  bound = 2 * err_t + float(jnp.finfo(qkv[0].dtype).eps) * np.max(np.abs(reference))
-  assert err_m <= bound, f"d sinks: Mosaic error {err_m:.3g}, Triton {err_t:.3g}"
+  _assert_as_close_as_triton("d sinks", mosaic, triton, reference, qkv[0].dtype)
 
 
 @pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
@@ -470,20 +478,9 @@ def test_mosaic_forward_of_other_keys_matches_triton(shape_class):
   test_mosaic_forward_matches_triton_forward holds them (rows without a key
   exactly 0 and -inf), and the gradients (the Triton backward on the Mosaic
   forward's residuals) as test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones."""
-  import ua_reference
   (q, k, v), options = other_keys_inputs(shape_class)
   _assert_forward_matches_triton((q, k, v), {}, options)
-  upcast = [x.astype(jnp.float32) for x in (q, k, v)]
-  reference = _gradients(ua_reference.attention, *upcast, {}, options)
-  run = lambda backend: _gradients(
-      functools.partial(ua_kernels.attention, config=KernelConfig(backend=backend)),
-      q, k, v, {}, options)
-  eps = float(jnp.finfo(q.dtype).eps)
-  for name, m, t, r in zip(("dq", "dk", "dv"), run("mosaic"), run("triton"), reference):
-    m, t, r = (np.asarray(x, np.float32) for x in (m, t, r))
-    err_m, err_t = np.max(np.abs(m - r)), np.max(np.abs(t - r))
-    bound = 2 * err_t + eps * np.max(np.abs(r))
-    assert err_m <= bound, f"{name}: Mosaic error {err_m:.3g}, Triton {err_t:.3g}"
+  _assert_gradients_as_close_as_triton(q, k, v, {}, options)
 
 
 def test_backend_implementations_declare_what_they_run():

@@ -226,11 +226,19 @@ def _forward_against_triton(q, k, v, options):
                                             sinks=sinks,
                                             offset=None if keys is None else keys.offset)
   _close("out", out_m, out, q.dtype)
-  # _compare_inputs' bound: a fast cap's tanh is rounded to 11 bits by the Triton interpreter only.
-  _close("lse2", attention_module._lse2(spec, temp, shift_m, None),
-         attention_module._lse2(spec, temp, shift, low), jnp.float32,
-         eps=2.0 ** -11 if fast_cap else 4 * float(jnp.finfo(jnp.float32).eps))
+  _close_lse2(attention_module._lse2(spec, temp, shift_m, None),
+              attention_module._lse2(spec, temp, shift, low), fast_cap)
   return out_m, shift_m
+
+
+def _close_lse2(got, want, fast_cap):
+  """The two forwards' base-2 lse. A fast cap form: the Triton interpreter
+  rounds its tanh to 11 bits (the error of tanh.approx, ua_kernels.fast_math),
+  Mosaic's interpreter does not. Else four float32 roundings: the two kernels
+  sum a row's l in other orders (docs/TOLERANCES.md, "The interpreters' lse2":
+  3 ulps measured under jax 0.12.0.1)."""
+  _close("lse2", got, want, jnp.float32,
+         eps=2.0 ** -11 if fast_cap else 4 * float(jnp.finfo(jnp.float32).eps))
 
 
 @pytest.mark.parametrize("shape_class", SINK_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
@@ -338,12 +346,7 @@ def _compare_inputs(qkv, inputs, options, tiles, backward=True, out_reference=No
     _close("out", out_m, out, q.dtype)
   else:
     _no_worse_than("out", out_m, out, out_reference, q.dtype)
-  # A fast cap form: the Triton interpreter rounds its tanh to 11 bits (the
-  # error of tanh.approx, ua_kernels.fast_math), Mosaic's interpreter does not.
-  # Else four float32 roundings: the two kernels sum a row's l in other orders
-  # (docs/TOLERANCES.md, "The interpreters' lse2": 3 ulps measured under jax 0.12.0.1).
-  _close("lse2", lse2_m, lse2, jnp.float32,
-         eps=2.0 ** -11 if fast_cap else 4 * float(jnp.finfo(jnp.float32).eps))
+  _close_lse2(lse2_m, lse2, fast_cap)
   if grads_m is not None:
     for name, got, want in zip(("dq", "dk", "dv"), grads_m, grads):
       _close(name, got, want, q.dtype)

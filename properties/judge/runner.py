@@ -4,9 +4,9 @@ Executables are compiled ahead of time and cached per (implementation, static
 part of the case, flavour, x64), so examples that share a shape bucket, and the
 several input seeds of one configuration, reuse them. ``prepare`` compiles the
 three an oracle check needs (the implementation's VJP and plain call, one
-program; the oracle; the reference) on ``compile_threads`` threads at once: XLA
-compiles without the GIL, and on the GPU compiling, not running, is where a campaign's seconds
-go (docs/VERIFICATION.md). The oracle (the reference on float64 copies of the
+program; the oracle; the reference) on ``compile_threads`` threads at once:
+XLA compiles without the GIL, and on the GPU compiling, not running, is where
+a campaign's seconds go (docs/VERIFICATION.md). The oracle (the reference on float64 copies of the
 inputs) and the same-precision reference are compiled without XLA's GEMM
 autotuning, which dominated their compile time on the GPU, and with its dots on
 cuBLAS rather than XLA's Triton GEMM emitter, whose float32 kernels compiled
@@ -265,9 +265,8 @@ def prepare(impl: Implementation, case: Case) -> None:
   and plain call (one program) beside the oracle and the reference, on
   ``compile_threads`` threads at once; each in this thread's x64 mode, the
   harness's under x64 as Harness.of runs them. The implementation's also runs
-  once there: a Mosaic
-  GPU kernel is built when its executable first runs, which JAX's persistent
-  cache does not keep. A compile that fails is left for the check itself to
+  once there: a Mosaic GPU kernel is built when its executable first runs,
+  which JAX's persistent cache does not keep. A compile that fails is left for the check itself to
   meet again, and to report as its own or the harness's failure."""
   if compile_threads <= 1:
     return
