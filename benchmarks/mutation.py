@@ -219,6 +219,21 @@ MUTANTS = [
            "  k, v = (_pad(x[..., :128], {1: layout.kv_pad, 3: layout.head_dim}) for x in (k, v))",
            "head-dim columns beyond 128 dropped from q, k and v (a kernel written for D <= 128): "
            "wrong only for D > 128"),
+    # --- production scale (the scale profile; docs/MUTATION.md, "Production scale") -----------
+    # Of the three classes, the int32 element offset that wraps has no place in these kernels
+    # (they address tiles, not elements): tests/outside_kernels.py plants it in a wrapper.
+    Mutant("P1", TILE_MATH,
+           "  q_pos, k_pos = _tile_grid(q_pos, shape, query_axis), _tile_grid(k_pos, shape, "
+           "key_axis)\n",
+           "  q_pos, k_pos = _tile_grid(q_pos, shape, query_axis), _tile_grid(k_pos, shape, "
+           "key_axis)\n"
+           "  q_pos, k_pos = (p.astype(jnp.int16).astype(jnp.int32) for p in (q_pos, k_pos))\n",
+           "positions held in 16 bits in the mask: exact below 32768, every causal or window "
+           "mask wrong past it", rotates=False),
+    Mutant("P2", CAP_FORMS, '"tanh": tanh_cap(jnp.tanh)',
+           '"tanh": tanh_cap(lambda x: (jnp.exp(2 * x) - 1) / (jnp.exp(2 * x) + 1))',
+           "the exact tanh cap as a ratio of exponentials: inf / inf = NaN once |x / cap| "
+           "passes 44 (float32 exp overflows at 88.7)"),
 ]
 
 # The black-box suite (what runs against any --impl): saved regressions first,

@@ -262,6 +262,20 @@ def head_dim_above_128_halved_attention(q, k, v, **kwargs):
   return ua_reference.attention(q * w, k, v, **kwargs)
 
 
+def int32_offsets_attention(q, k, v, **kwargs):
+  """ua_kernels' attention on q read back through flat element offsets held in
+  int32, ((b * T + t) * H + h) * D + d: exact below 2^31 elements, past them
+  the offsets wrap and the rows beyond read other rows' values (the index
+  overflow class of FlashAttention #407; docs/MUTATION.md, "Production scale")."""
+  import ua_kernels
+  b, t, h, d = (jnp.arange(n, dtype=jnp.int32) for n in q.shape)
+  _, length, heads, dim = (jnp.int32(n) for n in q.shape)
+  flat = ((b[:, None, None, None] * length + t[None, :, None, None]) * heads
+          + h[None, None, :, None]) * dim + d[None, None, None, :]
+  q = jnp.take(q.reshape(-1), flat, mode="wrap")
+  return ua_kernels.attention(q, k, v, **kwargs)
+
+
 def segment_ids_8_bit_attention(q, k, v, *, segment_ids=None, **kwargs):
   """The reference with segment ids narrowed to their low 8 bits."""
   if segment_ids is not None:

@@ -122,7 +122,7 @@ def test_cases_of_one_length_draw_what_they_drew_before():
   # keys of other lengths and sinks existed: no new field in it, no new draw.
   case = _case(seq_len=33, segments="packed", temperature="uniform", seed=11)
   assert set(case.to_dict()) == {f.name for f in dataclasses.fields(Case)} - {
-      "kv_seq_len", "q_offset", "sinks"}
+      "kv_seq_len", "q_offset", "sinks", "sampled_rows"}
   inputs = make_inputs(case)
   assert inputs["kv_segment_ids"] is None and inputs["sinks"] is None
   rng = np.random.default_rng(11)

@@ -22,7 +22,7 @@ from .verdict import _verdict
 TIME_BOX_ORACLE_CHUNKS = 100
 
 
-PROFILE_NAMES = ("ci", "dev", "fuzz", "gpu", "tpu")
+PROFILE_NAMES = ("ci", "dev", "fuzz", "gpu", "tpu", "scale")
 
 
 def _worker_args(args) -> list[str]:
@@ -165,7 +165,7 @@ def _verify_default(option) -> tuple:
 def _profile_defaults(args) -> dict:
   """ua-verify's values of the shared options it leaves to the profile and
   the time box (VERIFY_DEFAULTS), where they are not given."""
-  gpu = args.profile in ("gpu", "tpu")  # a compiled campaign: cache, threads
+  gpu = args.profile in ("gpu", "tpu", "scale")  # a compiled campaign: cache, threads
   out = {"compile_threads": 2 if gpu else 1}
   if args.minutes is not None:
     out["oracle_chunks"] = TIME_BOX_ORACLE_CHUNKS

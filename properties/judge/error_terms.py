@@ -91,41 +91,51 @@ def spec_of(case, inputs):
       return_lse=case.return_lse)
 
 
-def element_terms(case, inputs: dict, lse, rounding: Rounding):
+def element_terms(case, inputs: dict, lse, rounding: Rounding, rows=None):
   """({output: sums}, {output: logit terms}) as float64 numpy arrays of the
   outputs' shapes (lse: only logit terms). ``lse``: the oracle's [B, Hq, Tq]
-  lse. Call under x64."""
+  lse. ``rows``: only these query rows (lse of them alone; their row outputs,
+  and the key outputs summed over them: sampled.py, whose other rows have zero
+  cotangents). Call under x64."""
   call = spec_of(case, inputs)
   spec = call.spec
   f64 = lambda x: np.asarray(x, np.float64)
-  q, k, v, dout = (f64(inputs[n]) for n in ("q", "k", "v", "dout"))
+  # Sampled rows are taken before the float64 copy: at T = 256k a full one is 17 GB.
+  at_rows = (lambda x: x) if rows is None else (lambda x: np.asarray(x)[:, rows])
+  q, dout = f64(at_rows(inputs["q"])), f64(at_rows(inputs["dout"]))
+  k, v = f64(inputs["k"]), f64(inputs["v"])
   g = spec.group_size
   k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-  b, t, hq, d = q.shape
-  tk = k.shape[1]
-  dlse = f64(inputs["dlse"]) if case.return_lse else np.zeros((b, hq, t))
-  temp = np.ones((b, t, hq)) if call.temperature is None else \
-      np.broadcast_to(f64(call.temperature), (b, t, hq))
+  b, hq, d = q.shape[0], q.shape[2], q.shape[3]
+  t_all, tk = spec.seq_len, k.shape[1]
+  dlse = f64(inputs["dlse"]) if case.return_lse else np.zeros((b, hq, t_all))
+  temp = np.ones((b, t_all, hq)) if call.temperature is None else \
+      np.broadcast_to(f64(call.temperature), (b, t_all, hq))
+  positions = np.arange(t_all) if rows is None else np.asarray(rows)
+  if rows is not None:
+    temp, dlse = temp[:, rows], dlse[..., rows]
+  t = len(positions)
   seg = tuple(None if x is None else np.asarray(x)
               for x in (call.segment_ids, call.kv_segment_ids))
   sinks = None if call.sinks is None else f64(call.sinks)
-  rows = max(1, min(t, TERMS_LOGITS // (b * hq * tk)))
-  blocks = -(-t // rows)
-  pad = blocks * rows - t
+  per_block = max(1, min(t, TERMS_LOGITS // (b * hq * tk)))
+  blocks = -(-t // per_block)
+  pad = blocks * per_block - t
   on_t = lambda x, axis, value=0.0: np.pad(
       x, [(0, pad if i == axis else 0) for i in range(x.ndim)], constant_values=value)
   # Padded query rows get lse = +inf: probabilities 0, no terms.
   q, dout, temp = on_t(q, 1), on_t(dout, 1), on_t(temp, 1)
   lse, dlse = on_t(f64(lse), 2, np.inf), on_t(dlse, 2)
-  step, k, v = _block_fn(spec, rows, rounding, k, v)
+  positions = np.pad(positions, (0, pad), mode="edge")
+  step, k, v = _block_fn(spec, per_block, rounding, k, v)
   row_parts = collections.defaultdict(list)
   key_sums = {name: np.zeros((b, tk, hq // g, d)) for name in _KEY_TERMS}
   key_sums.update({name: np.zeros((hq,)) for name in _SINK_TERMS})
   pending = {}
   for i in range(blocks):
-    sl = slice(i * rows, (i + 1) * rows)
+    sl = slice(i * per_block, (i + 1) * per_block)
     r, key_sums = step(q[:, sl], dout[:, sl], temp[:, sl], lse[..., sl], dlse[..., sl],
-                       np.arange(i * rows, (i + 1) * rows), seg, k, v, sinks, key_sums)
+                       positions[sl], seg, k, v, sinks, key_sums)
     # The block before this one is brought to the host while the device computes it.
     for name, x in pending.items():
       row_parts[name].append(np.asarray(x))

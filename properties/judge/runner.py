@@ -30,7 +30,8 @@ import ua_reference
 
 from ..model.capabilities import Implementation, declare
 from ..model.case import Case
-from ..model.inputs import make_inputs
+from ..model.inputs import make_inputs, sampled_rows
+from . import sampled
 from .error_terms import HARNESS_COMPILER_OPTIONS, host_device
 from .tolerance import OUTPUTS, OutputError, compare, element_tolerance, floors
 
@@ -321,40 +322,64 @@ class Harness:
   reference: dict
   bounds: dict  # output -> (the reference's error, every element's tolerance)
   floors: dict
+  # The query rows judged (Case.sampled_rows; sampled.py), None: every row.
+  rows: np.ndarray | None = None
 
   @classmethod
   def of(cls, case: Case) -> Harness:
-    """The oracle, the reference and the floors evaluated on ``case``.
+    """The oracle, the reference and the floors evaluated on ``case`` (on its
+    sampled rows, where it samples them).
 
     Raises HarnessError when any of them cannot be computed.
     """
     inputs = make_inputs(case)
+    rows = sampled_rows(case)
+
+    def evaluate_reference(float64):
+      if rows is None:
+        return _reference(case, inputs, float64)
+      return sampled.evaluate_rows(case, inputs, lambda c, i: _reference(c, i, float64))
+
     try:
       with x64(True):
-        oracle, lse = _reference(case, inputs, float64=True)
+        oracle, lse = evaluate_reference(True)
       with x64(reference_x64(False)):
-        reference, _ = _reference(case, inputs, float64=False)
+        reference, _ = evaluate_reference(False)
       with x64(True):
-        floor = floors(case, inputs, oracle, lse)
+        floor = floors(case, inputs, oracle, lse, rows=rows)
     except Exception as exc:  # noqa: BLE001 -- whatever it is, it is the harness's
       raise HarnessError(f"the oracle/reference/floors failed on this case: "
                          f"{type(exc).__name__}: {str(exc)[:2000]}") from exc
     bounds = {name: element_tolerance(name, reference[name], oracle[name], floor[name])
               for name in OUTPUTS if oracle.get(name) is not None}
-    return cls(case, oracle, reference, bounds, floor)
+    return cls(case, oracle, reference, bounds, floor, rows)
+
+  def judged(self, result: dict) -> dict:
+    """``result`` at the rows this harness judges (all of it where it judges every row)."""
+    return result if self.rows is None else sampled.judged(self.case, self.rows, result)
 
   def score(self, result: dict, *, slack: float = 1.0, expected: dict | None = None,
             outputs=OUTPUTS) -> list[OutputError]:
-    """Errors of ``result`` against the oracle (or ``expected``), per output.
+    """Errors of ``result`` against the oracle (or ``expected``), per output,
+    at the rows the harness judges; against the oracle on sampled rows, also
+    the other rows' dq, which must be exactly 0 ("dq (other rows)").
 
     The bound always scales with the same-precision reference's error on this
     case, so metamorphic comparisons share the equivalence test's model.
     """
-    expected = self.oracle if expected is None else expected
+    against_oracle = expected is None
+    expected = self.oracle if expected is None else self.judged(expected)
+    full, result = result, self.judged(result)
     errors = []
     for name in outputs:
       if result.get(name) is None or expected.get(name) is None or name not in self.bounds:
         continue
       ref_err, tol = self.bounds[name]
       errors.append(compare(name, result[name], expected[name], ref_err, tol, slack=slack))
+    if against_oracle and self.rows is not None and "dq" in outputs:
+      other = sampled.other_rows_dq(self.case, self.rows, full.get("dq"))
+      if other is not None:
+        largest, nans, infs, worst = other
+        errors.append(OutputError("dq (other rows)", largest, 0.0, 0.0, nans, infs, worst,
+                                  error=largest))
     return errors

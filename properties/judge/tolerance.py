@@ -131,7 +131,7 @@ def _tolerance_terms(xp, ref, oracle, floor):
   return xp.max(err, initial=0.0), rho, unfloored
 
 
-def floors(case, inputs: dict, oracle: dict, lse) -> dict[str, np.ndarray]:
+def floors(case, inputs: dict, oracle: dict, lse, rows=None) -> dict[str, np.ndarray]:
   """Absolute rounding floor of every element of every output (the module doc;
   docs/TOLERANCES.md, "Per-element floors").
 
@@ -142,7 +142,8 @@ def floors(case, inputs: dict, oracle: dict, lse) -> dict[str, np.ndarray]:
   rounding, for every input dtype: lse is a float32 output of the contract, so
   a kernel that sums 16-bit rounded probabilities into its row sum is held to
   float32's accuracy like any other (docs/TOLERANCES.md, "Tighter floors").
-  ``lse``: the oracle's [B, Hq, T] lse.
+  ``lse``: the oracle's [B, Hq, T] lse; ``rows``: the query rows judged
+  (sampled.py; None: all), of which ``lse`` and the oracle's row outputs are.
   """
   lse = _as64(lse)
   rounding = error_terms.Rounding(
@@ -150,7 +151,7 @@ def floors(case, inputs: dict, oracle: dict, lse) -> dict[str, np.ndarray]:
       form=FORM_TOLERANCE if case.dtype in ("bfloat16", "float16")
       and case.cap_method != "none" else 0.0,
       subnormal=SUBNORMAL_ROUNDING.get(case.dtype, 0.0), flush=FLUSH_BELOW.get(case.dtype, 0.0))
-  sums, logit = error_terms.element_terms(case, inputs, lse, rounding)
+  sums, logit = error_terms.element_terms(case, inputs, lse, rounding, rows=rows)
   out = {}
   for name, term in sums.items():
     if oracle.get(name) is None:

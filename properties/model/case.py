@@ -32,6 +32,9 @@ class Case:
   ``seq_len`` is the queries' length Tq; ``kv_seq_len`` the keys' (None: Tq);
   ``q_offset`` the offset passed (None: none, the contract's default Tk - Tq);
   ``sinks`` how the per-head sinks are drawn (inputs.py), "none" for no sinks.
+  ``sampled_rows``: at lengths a dense float64 oracle cannot follow, the
+  oracle judges that many query rows (their cotangents alone drawn nonzero) and
+  every key's gradient (runner.Harness; docs/SCALE.md, "Sampled rows").
   """
 
   batch: int
@@ -49,12 +52,16 @@ class Case:
   sm_scale: float | None = None
   z_loss_weight: float = 0.0
   return_lse: bool = False
-  distribution: str = "normal"    # normal | large | ties | saturating | offset | sink_channel
+  # normal | large | ties | saturating | offset | sink_channel, and the activation-like
+  # outliers | heavy_tail | correlated (inputs.ACTIVATION_LIKE)
+  distribution: str = "normal"
   tiles: tuple[int, int] | None = None
   seed: int = 0
   kv_seq_len: int | None = None
   q_offset: int | None = None
   sinks: str = "none"             # none | normal | large | some_minus_inf | minus_inf
+  # Query rows the oracle judges (inputs.sampled_rows); 0: every row.
+  sampled_rows: int = 0
 
   @property
   def tk(self) -> int:
@@ -178,11 +185,13 @@ class Case:
              "temperature": ("none", "ones", "uniform", "signed", "extreme", "per_head",
                              "scalar"),
              "distribution": ("normal", "large", "ties", "saturating", "offset",
-                              "sink_channel"),
+                              "sink_channel", "outliers", "heavy_tail", "correlated"),
              "sinks": SINKS}
     for name, allowed in kinds.items():
       if getattr(self, name) not in allowed:
         return f"{name} must be one of {allowed}, got {getattr(self, name)!r}"
+    if not isinstance(self.sampled_rows, int) or self.sampled_rows < 0:
+      return f"sampled_rows must be an int >= 0, got {self.sampled_rows!r}"
     if not isinstance(self.window_len, int) or self.window_len < 0:
       return f"window_len must be an int >= 0, got {self.window_len!r}"
     if self.cap_method not in CAP_METHODS:
@@ -213,7 +222,7 @@ class Case:
     return hashlib.sha1(repr(self.static_key()).encode()).hexdigest()[:12]
 
 
-_LATER_FIELDS = {"kv_seq_len": None, "q_offset": None, "sinks": "none"}
+_LATER_FIELDS = {"kv_seq_len": None, "q_offset": None, "sinks": "none", "sampled_rows": 0}
 
 
 @functools.lru_cache(maxsize=1)

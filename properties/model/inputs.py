@@ -14,6 +14,9 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.f
 
 
 def _values(rng, shape, distribution):
+  if distribution == "heavy_tail":
+    # Student's t with 3 degrees of freedom: finite variance, tails of |x| ~ 10-30 at T = 16k.
+    return rng.standard_t(3, size=shape)
   if distribution == "large":
     return rng.normal(size=shape) * rng.uniform(4.0, 12.0)
   if distribution == "ties":
@@ -152,6 +155,79 @@ def _offset(rng, case: Case, temperature):
   return q, k
 
 
+# Activation-like inputs (docs/SCALE.md, "Activation-like inputs"): keys with a few
+# outlier channels (as KV-cache quantization papers measure them: keys, not queries, carry
+# fixed channels of large magnitude) and values with their own; keys correlated across
+# positions (a shared direction plus a slowly varying part, so rows of logits are nearly flat
+# over long spans and their gradients cancel); heavy tails (inputs.py, _values).
+ACTIVATION_LIKE = ("outliers", "heavy_tail", "correlated")
+OUTLIER_SCALE = 100.0
+OUTLIER_CHANNELS = (1, 2, 3)
+CORRELATION = 0.99  # of a key with the one before it
+
+
+def _outliers(rng, x):
+  """``x`` with 1-3 of its channels (the same at every position and head) times
+  OUTLIER_SCALE."""
+  d = x.shape[-1]
+  n = min(d, int(rng.choice(OUTLIER_CHANNELS)))
+  x = np.array(x)
+  x[..., rng.choice(d, size=n, replace=False)] *= OUTLIER_SCALE
+  return x
+
+
+def _correlated(rng, shape):
+  """[B, T, H, D] keys: a direction shared by every position of a head (3x a
+  unit draw) plus an AR(1) process along T of correlation CORRELATION."""
+  b, t, h, d = shape
+  shared = 3.0 * rng.normal(size=(b, 1, h, d))
+  noise = rng.normal(size=shape)
+  walk = np.empty(shape)
+  walk[:, 0] = noise[:, 0]
+  keep, fresh = CORRELATION, math.sqrt(1.0 - CORRELATION ** 2)
+  for i in range(1, t):
+    walk[:, i] = keep * walk[:, i - 1] + fresh * noise[:, i]
+  return shared + walk
+
+
+def _activation_like(rng, case: Case):
+  """q, k, v of an ACTIVATION_LIKE distribution."""
+  b, t, tk, hq, hkv, d = (case.batch, case.seq_len, case.tk, case.num_q_heads,
+                          case.num_kv_heads, case.head_dim)
+  q = _values(rng, (b, t, hq, d), case.distribution)
+  if case.distribution == "correlated":
+    k = _correlated(rng, (b, tk, hkv, d))
+  else:
+    k = _values(rng, (b, tk, hkv, d), case.distribution)
+  v = _values(rng, (b, tk, hkv, d), case.distribution)
+  if case.distribution == "outliers":
+    k, v = _outliers(rng, k), _outliers(rng, v)
+  return q, k, v
+
+
+def sampled_rows(case: Case) -> np.ndarray | None:
+  """The query rows an oracle judges when the case samples them
+  (Case.sampled_rows; None: every row): blocks of SAMPLE_BLOCK rows or fewer,
+  the first and the last (the largest offsets into every tensor) and ones drawn
+  from the seed between them, sorted, Case.sampled_rows rows in all."""
+  n, t = case.sampled_rows, case.seq_len
+  if not n or t <= n:
+    return None
+  block = max(1, min(SAMPLE_BLOCK, n // 4))
+  starts = {0, t - block}
+  rng = np.random.default_rng([case.seed, 0x5A3])
+  candidates = np.arange(block, t - 2 * block + 1, block)
+  rng.shuffle(candidates)
+  for start in candidates:
+    if len(starts) * block >= n:
+      break
+    starts.add(int(start))
+  return np.concatenate([np.arange(s, s + block) for s in sorted(starts)])
+
+
+SAMPLE_BLOCK = 64
+
+
 def make_inputs(case: Case) -> dict:
   """q, k, v (case dtype), segment_ids, temperature, dout, dlse,
   kv_segment_ids and sinks (None where the case has none) as numpy,
@@ -184,6 +260,8 @@ def _draw(case: Case) -> dict:
     temp = _temperature(rng, case)
     q, k = (x.astype(dtype) for x in _offset(rng, case, temp))
     v = rng.normal(size=(b, tk, hkv, d)).astype(dtype)
+  elif case.distribution in ACTIVATION_LIKE:
+    q, k, v = (x.astype(dtype) for x in _activation_like(rng, case))
   else:
     q = _values(rng, (b, t, hq, d), case.distribution).astype(dtype)
     k = _values(rng, (b, tk, hkv, d), case.distribution).astype(dtype)
@@ -196,6 +274,14 @@ def _draw(case: Case) -> dict:
   sinks = _sinks(rng, case)
   if case.distribution == "sink_channel":
     q, k, sinks = _sink_channel(case, q, k, sinks)
+  rows = sampled_rows(case)
+  if rows is not None:
+    # Cotangents on the judged rows alone: the others then add nothing to dk, dv
+    # and d sinks (without a z-loss), and their dq is exactly 0 (runner.Harness).
+    keep = np.zeros(t, bool)
+    keep[rows] = True
+    dout = np.where(keep[None, :, None, None], dout, 0).astype(dtype)
+    dlse = np.where(keep[None, None, :], dlse, 0).astype(np.float32)
   return {"q": q, "k": k, "v": v, "segment_ids": seg, "temperature": temp,
           "dout": dout, "dlse": dlse, "kv_segment_ids": kv_seg, "sinks": sinks}
 
@@ -240,6 +326,9 @@ def logit_scale(case: Case) -> float:
   # in the hundreds); caps of 24 give a fixed shift whose bounds are far apart.
   if case.distribution == "offset":  # the offsets' geometric middle, before temperature
     return math.sqrt(OFFSET_RANGE[0] * OFFSET_RANGE[1])
+  # outliers: a product with one key channel of 100x, about 100 / sqrt(D) of a plain
+  # logit's spread at D = 64 and more; correlated: the shared direction's 3x.
   spread = {"normal": 1.0, "large": 8.0, "ties": 1.0, "saturating": 24.0,
-            "sink_channel": 1.0}[case.distribution]
+            "sink_channel": 1.0, "heavy_tail": 1.7, "correlated": 3.0,
+            "outliers": max(1.0, OUTLIER_SCALE / math.sqrt(case.head_dim))}[case.distribution]
   return abs(sm) * spread * math.sqrt(case.head_dim)

@@ -36,6 +36,10 @@ class Buckets:
   # Head dims drawn with them (those the implementation declares), up to the
   # largest any implementation of the contract is asked to take.
   long_head_dims: tuple[int, ...] = (128, 192, 256)
+  # Value distributions drawn (inputs.py; repeats weight the draw).
+  distributions: tuple[str, ...] = ("normal", "normal", "large", "ties", "saturating", "offset")
+  # Query rows the oracle judges in a case longer than this (Case.sampled_rows); 0: all.
+  sampled_rows: int = 0
 
 
 _SMALL_TILES = ((16, 16), (32, 16), (16, 32))
@@ -75,7 +79,24 @@ BUCKETS["tpu"] = Buckets(seq_lens=(1024, 128, 255, 513, 2048, 4096, 8192, 1, 17)
                          batches=(1, 2), tiles=(None,), edge_multiples=(1, 2, 3, 8),
                          max_seq_len=1 << 15, long_seq=4097,
                          long_seq_lens=(4097, 8192, 16384, 32768, 2047))
+# Activation-like inputs beside the drawn ones, where cases are compiled or many.
+_ACTIVATION_LIKE = ("normal", "normal", "large", "ties", "saturating", "offset", "outliers",
+                    "heavy_tail", "correlated")
+for _name in ("dev", "gpu", "tpu"):
+  BUCKETS[_name] = dataclasses.replace(BUCKETS[_name], distributions=_ACTIVATION_LIKE)
 BUCKETS["fuzz"] = BUCKETS["dev"]
+# Production lengths on one H200 (docs/SCALE.md, "Running it"): 32k to 256k
+# tokens, the tile edges at 256 to 1024 tiles; the oracle judges 256 sampled rows of each
+# case (Case.sampled_rows); from 64k on one batch row and at most 2 kv heads. The long
+# test of each dtype starts at B*T*Hq*D = 262400 * 32 * 256 > 2^31 elements.
+BUCKETS["scale"] = Buckets(seq_lens=(32768, 65536, 131072, 40961, 98304, 262144),
+                           head_dims=(128, 64, 256, 128, 192),
+                           heads=((32, 2), (32, 4), (8, 1), (16, 2), (8, 8), (4, 4)),
+                           batches=(1, 2), tiles=(None,), edge_multiples=(256, 512, 1024),
+                           max_seq_len=1 << 18, long_seq=1 << 16,
+                           long_seq_lens=(262400, 131200, 65537, 200000),
+                           long_head_dims=(256, 128), distributions=_ACTIVATION_LIKE,
+                           sampled_rows=256)
 
 
 
@@ -178,6 +199,12 @@ PROFILES = {p.name: p for p in (
         oracle_chunks=10, oracle_examples=6, seeds=8, mask_focus_examples=2,
         long_properties=("mask_is_exact", "hidden_keys_do_not_leak"), rotate_focused=True,
         case_timeout_base=900.0),
+    # Production scale on one H200: the gpu profile's order at 32k-256k tokens, a few
+    # configurations of two input seeds per test (a case takes seconds to a minute).
+    Profile("scale", BUCKETS["scale"], 0.5, dict(
+        derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate]),
+        oracle_chunks=4, oracle_examples=2, seeds=2, focus_examples=1, mask_focus_examples=1,
+        long_properties=("mask_is_exact",), rotate_focused=True, case_timeout_base=1800.0),
 )}
 
 

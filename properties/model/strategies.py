@@ -162,7 +162,7 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
     temperature = choose(["uniform", "extreme", "per_head", "scalar", "ones", "signed"])
   z_loss = choose([0.1, 1.0]) if flag("z_loss") else 0.0
   return_lse = flag("lse")
-  distribution = choose(["normal", "normal", "large", "ties", "saturating", "offset"])
+  distribution = choose(list(buckets.distributions))
   if distribution == "offset" and dtype == "float16" and z_loss:
     # A z-loss's gradient, w * lse per logit, at lse 3e4 passes float16's range in dk.
     distribution = "large"
@@ -174,7 +174,8 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
               temperature=temperature, sm_scale=sm_scale, z_loss_weight=z_loss,
               return_lse=return_lse, distribution=distribution, tiles=pair,
               seed=draw(st.integers(0, 2 ** 31 - 1)),
-              kv_seq_len=None if tk == tq else tk, q_offset=q_offset, sinks=sinks)
+              kv_seq_len=None if tk == tq else tk, q_offset=q_offset, sinks=sinks,
+              sampled_rows=buckets.sampled_rows if tq > buckets.sampled_rows else 0)
   return _with_cap(case, cap_method, choose)
 
 
