@@ -38,8 +38,10 @@ class Buckets:
   long_head_dims: tuple[int, ...] = (128, 192, 256)
   # Value distributions drawn (inputs.py; repeats weight the draw).
   distributions: tuple[str, ...] = ("normal", "normal", "large", "ties", "saturating", "offset")
-  # Query rows the oracle judges in a case longer than this (Case.sampled_rows); 0: all.
+  # Query rows the oracle judges (Case.sampled_rows) in cases of at least ``sampled_from``
+  # queries; 0: every row of every case.
   sampled_rows: int = 0
+  sampled_from: int = 0
 
 
 _SMALL_TILES = ((16, 16), (32, 16), (16, 32))
@@ -84,6 +86,11 @@ _ACTIVATION_LIKE = ("normal", "normal", "large", "ties", "saturating", "offset",
                     "heavy_tail", "correlated")
 for _name in ("dev", "gpu", "tpu"):
   BUCKETS[_name] = dataclasses.replace(BUCKETS[_name], distributions=_ACTIVATION_LIKE)
+# The TPU's oracle runs on the host's CPU, where a dense one of T >= 1k took most of a box
+# (docs/VERIFICATION.md, "On a TPU"): from 4096 queries on, 256 sampled rows; lengths to 64k.
+BUCKETS["tpu"] = dataclasses.replace(
+    BUCKETS["tpu"], sampled_rows=256, sampled_from=4096, max_seq_len=1 << 16,
+    long_seq_lens=(4097, 8192, 16384, 32768, 65536, 2047))
 BUCKETS["fuzz"] = BUCKETS["dev"]
 # Production lengths on one H200 (docs/SCALE.md, "Running it"): 32k to 256k
 # tokens, the tile edges at 256 to 1024 tiles; the oracle judges 256 sampled rows of each
@@ -96,7 +103,7 @@ BUCKETS["scale"] = Buckets(seq_lens=(32768, 65536, 131072, 40961, 98304, 262144)
                            max_seq_len=1 << 18, long_seq=1 << 16,
                            long_seq_lens=(262400, 131200, 65537, 200000),
                            long_head_dims=(256, 128), distributions=_ACTIVATION_LIKE,
-                           sampled_rows=256)
+                           sampled_rows=256, sampled_from=4097)
 
 
 

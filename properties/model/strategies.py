@@ -175,7 +175,8 @@ def cases(draw, buckets: Buckets, impl: Implementation, require=frozenset(),
               return_lse=return_lse, distribution=distribution, tiles=pair,
               seed=draw(st.integers(0, 2 ** 31 - 1)),
               kv_seq_len=None if tk == tq else tk, q_offset=q_offset, sinks=sinks,
-              sampled_rows=buckets.sampled_rows if tq > buckets.sampled_rows else 0)
+              sampled_rows=buckets.sampled_rows if tq >= max(buckets.sampled_from,
+                                                             buckets.sampled_rows + 1) else 0)
   return _with_cap(case, cap_method, choose)
 
 
