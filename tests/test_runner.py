@@ -119,5 +119,20 @@ def test_the_tpu_profile_runs_in_one_process():
   args = argparse.Namespace(profile="tpu", gpus=0, workers="auto", minutes=8.0)
   assert verify._worker_args(args) == []
   buckets = PROFILES["tpu"].buckets
-  assert buckets.max_seq_len == 32768 and 32768 in buckets.long_seq_lens
+  assert buckets.max_seq_len == 65536 and 65536 in buckets.long_seq_lens
+  assert (buckets.sampled_rows, buckets.sampled_from) == (256, 4096)  # the host's oracle
   assert {128, 256} <= set(buckets.head_dims)
+
+
+def test_a_failure_without_a_message_says_where_it_was_raised(tmp_path):
+  # splash's mask processing raised a bare AssertionError on a mask with no visible key, and
+  # the report read "AssertionError: " (docs/PEERS.md).
+  from properties.checks.registry import get
+  from properties.run.verifier import CaseFailure, Verifier
+
+  def bare_assert(q, k, v, **kwargs):  # a bare assert, as pytest leaves other modules'
+    raise AssertionError
+  impl = declare("tests.test_runner:bare_assert", bare_assert)
+  with pytest.raises(CaseFailure, match=r"AssertionError \(no message\), raised at "
+                     r".*test_runner\.py:\d+ in bare_assert: raise AssertionError"):
+    Verifier(impl, str(tmp_path)).check(get("matches_oracle"), CASE)

@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Callable
 
 import numpy as np
@@ -56,6 +57,20 @@ class CaseFailure(AssertionError):
   @property
   def failed_outputs(self) -> list[str]:
     return failed_output_names(self.errors, self.biased)
+
+
+def _exception_message(exc: BaseException) -> str:
+  """``Type: message``; for an exception without a message (a bare ``assert``
+  in a kernel's own code: splash's mask processing raised one, docs/PEERS.md),
+  also where it was raised, the innermost frame's file, line and source."""
+  if str(exc):
+    return f"{type(exc).__name__}: {exc}"
+  frames = traceback.extract_tb(exc.__traceback__)
+  if not frames:
+    return f"{type(exc).__name__} (no message)"
+  last = frames[-1]
+  return (f"{type(exc).__name__} (no message), raised at {last.filename}:{last.lineno} "
+          f"in {last.name}: {last.line}")
 
 
 class HarnessFailure(CaseFailure):
@@ -172,7 +187,7 @@ class Verifier:
                            f"{exc}\nreplay: {replay}", case, (), replay) from exc
     except Exception as exc:  # noqa: BLE001 -- any failure is a finding
       errors, biased = getattr(exc, "errors", []), getattr(exc, "biased", ())
-      message = f"{type(exc).__name__}: {exc}"
+      message = _exception_message(exc)
       write("failed", [e.to_dict() for e in errors], message)
       self._record(prop, case, "failed", errors, start, replay, message, biased,
                    harness_seconds=harness_seconds)
