@@ -151,3 +151,30 @@ def test_the_planted_int32_offsets_are_exact_below_2_31_elements_and_wrap_past()
   b, t, h, d = (jnp.int32(n - 1) for n in (1, 262400, 32, 256))
   last = ((b * jnp.int32(262400) + t) * jnp.int32(32) + h) * jnp.int32(256) + d
   assert int(last) < 0
+
+
+def test_only_checks_that_judge_sampled_rows_draw_them():
+  from properties.checks.registry import BY_NAME, Property
+  sampled = dataclasses.replace(BASE, segments="packed")
+  assert not BY_NAME["packed_equals_separate"].draws(sampled)  # slices bounds by documents
+  assert BY_NAME["packed_equals_separate"].draws(dataclasses.replace(sampled, sampled_rows=0))
+  assert BY_NAME["matches_oracle"].draws(sampled)
+  assert BY_NAME["deterministic"].draws(sampled)  # no harness
+  registered = Property("a_users_check", checks.matches_oracle, 1)  # opts in, or draws none
+  assert not registered.draws(sampled)
+
+
+@pytest.mark.parametrize("name", ["huge_tanh_cap_is_no_cap", "gqa_equals_repeated_heads",
+                                  "key_blocks_merge_to_one_call", "sink_is_an_extra_key"])
+def test_metamorphic_checks_judge_sampled_rows(name, tmp_path):
+  from properties.checks.registry import BY_NAME
+  from properties.run.verifier import Verifier
+  prop = BY_NAME[name]
+  case = dataclasses.replace(BASE, dtype="float32", return_lse=True, causal=True,
+                             cap_method="tanh" if name.startswith("huge") else "none",
+                             cap_params=(5.0,) if name.startswith("huge") else (),
+                             sinks="normal" if name.startswith("sink") else "none")
+  assert prop.draws(case) and sampled_rows(case) is not None
+  impl = declare("tests.test_sampled_oracle:reference", ua_reference.attention)
+  errors = Verifier(impl, str(tmp_path)).check(prop, case)
+  assert errors and all(e.ok for e in errors)

@@ -136,7 +136,7 @@ def why_invalid(impl: Implementation, prop: Property, case: Case) -> str | None:
   unsupported = impl.supports(case)
   if unsupported is not None:
     return f"{impl.name} {unsupported}"
-  return None if prop.applies(case) else f"{prop.name} does not apply to it (registry)"
+  return None if prop.draws(case) else f"{prop.name} does not apply to it (registry)"
 
 
 def valid(impl: Implementation, prop: Property, case: Case) -> bool:

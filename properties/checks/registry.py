@@ -63,6 +63,16 @@ class Property:
   # Whether it compares the implementation with its declared single-device
   # counterpart (ua_unsharded), which only a sharded op declares.
   needs_unsharded: bool = False
+  # Whether the check judges a case whose harness holds sampled rows alone
+  # (Case.sampled_rows; Harness.judged): one that indexes the harness's bounds
+  # by rows of its own needs every row, and draws no such case.
+  sampled_rows_ok: bool = False
+
+  def draws(self, case: Case) -> bool:
+    """Whether the property runs on ``case``: it applies, and a case judged on
+    sampled rows goes only to a check that takes no harness or judges them."""
+    return self.applies(case) and (not case.sampled_rows or self.sampled_rows_ok
+                                   or not self.takes_harness)
 
   @property
   def takes_harness(self) -> bool:
@@ -171,6 +181,10 @@ PROPERTIES = (
     Property("sharded_equals_unsharded", checks.sharded_equals_unsharded, 4,
              needs_unsharded=True),
 )
+# Every built-in check that takes a harness judges sampled rows (Harness.score and judged
+# slice what it compares), but packed_equals_separate, which slices the bounds by documents.
+PROPERTIES = tuple(dataclasses.replace(p, sampled_rows_ok=p.name != "packed_equals_separate")
+                   for p in PROPERTIES)
 BY_NAME = {p.name: p for p in PROPERTIES}
 
 

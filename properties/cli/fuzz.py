@@ -103,7 +103,7 @@ def fuzz_main(argv=None) -> int:
   def drawn(draw):
     prop = draw(st.sampled_from([p for p in usable if p.oracle] * 4 + usable))
     case = draw(cases(buckets, impl, prop.require, prop.forbid, prop.any_of,
-                      cap=args.cap).filter(prop.applies))
+                      cap=args.cap).filter(prop.draws))
     return prop, case
 
   # Rounds of fresh random examples until the time is up; a failure saved by
