@@ -10,6 +10,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import ua_reference
 
@@ -295,3 +296,40 @@ def leaky_cache_attention(q, k, v, **kwargs):
     _TABLES[t] = jnp.ones((t,), jnp.float32) + 0.0
   return ua_reference.attention(q * _TABLES[t].astype(q.dtype)[None, :, None, None], k, v,
                                 **kwargs)
+
+
+_CALLS = {"count": 0}
+
+
+def _call_parity():
+  """0.0, 1.0, 0.0, ... on successive executions (a host callback): what a run-to-run
+  difference looks like to the suite, without a GPU's atomics."""
+  def parity():
+    _CALLS["count"] += 1
+    return np.float32(_CALLS["count"] % 2)
+  return jax.pure_callback(parity, jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def reordered_sums_attention(q, k, v, **kwargs):
+  """The reference with every other run's out moved by one float32 ulp: reruns
+  differ as a reordered sum's would (ua_deterministic = False)."""
+  result = ua_reference.attention(q, k, v, **kwargs)
+  out = result[0] if isinstance(result, tuple) else result
+  out = (out.astype(jnp.float32) * (1 + 2.0 ** -23 * _call_parity())).astype(out.dtype)
+  return (out,) + tuple(result[1:]) if isinstance(result, tuple) else out
+
+
+reordered_sums_attention.ua_deterministic = False
+
+
+def racy_attention(q, k, v, **kwargs):
+  """The reference whose every other run loses the first key's share of out (a
+  race that drops one key tile's contribution); declared not deterministic."""
+  result = ua_reference.attention(q, k, v, **kwargs)
+  out = result[0] if isinstance(result, tuple) else result
+  lost = _call_parity() * v[:, :1].astype(jnp.float32).mean()
+  out = (out.astype(jnp.float32) - lost).astype(out.dtype)
+  return (out,) + tuple(result[1:]) if isinstance(result, tuple) else out
+
+
+racy_attention.ua_deterministic = False

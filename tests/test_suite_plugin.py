@@ -210,8 +210,11 @@ def test_the_first_round_spreads_each_propertys_tests_through_it():
   from properties.model.profiles import PROFILES
 
   gpu = PROFILES["gpu"]
-  size = first_round_size(gpu)
-  first = property_tests(gpu)[:size]
+  # Places in the round as a deterministic implementation meets them: the property for
+  # non-deterministic ones shares its place with `deterministic` and is skipped at once.
+  first = [t for t in property_tests(gpu)[:first_round_size(gpu)]
+           if t.property != "reruns_within_tolerance"]
+  size = len(first)
   for name in gpu.chunked_properties:
     at = [i for i, t in enumerate(first) if t.property == name]
     assert len(at) == 4

@@ -86,12 +86,19 @@ def _first_round(chunks: int, profile) -> list["PropertyTest"]:
   ``chunks``, the profile's chunked properties' out of its ``oracle_chunks``):
   one test of every property, per dtype where it runs per dtype, the focused
   oracle tests and the chunked properties' focused ones, each property's
-  tests spread evenly through the round (_spread)."""
+  tests spread evenly through the round (_spread). Properties for deterministic
+  and for non-deterministic implementations (Property.for_deterministic) share
+  one place: any implementation skips all but one of them at once."""
   from ..model.capabilities import DTYPES
   from ..checks.registry import PROPERTIES
   chunked = profile.chunked_properties
-  by_property = []
+  by_property, alternatives = [], []
   for prop in PROPERTIES:
+    if prop.for_deterministic is not None:
+      if not alternatives:
+        by_property.append([alternatives])
+      alternatives.append(PropertyTest(prop.name))
+      continue
     if prop.name in chunked:
       tests = [PropertyTest(prop.name, None, 0, profile.oracle_chunks)]
       tests += [PropertyTest(prop.name, focus=focus) for focus in profile.chunked_focuses]
@@ -105,7 +112,8 @@ def _first_round(chunks: int, profile) -> list["PropertyTest"]:
       tests += [PropertyTest(prop.name, dtype, focus=focus)
                 for focus in sorted(focuses(), key=lambda f: f != "long") for dtype in DTYPES]
     by_property.append(tests)
-  return _spread(by_property)
+  return [t for place in _spread(by_property)
+          for t in (place if isinstance(place, list) else [place])]
 
 
 def _spread(groups: list[list]) -> list:

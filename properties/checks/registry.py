@@ -63,6 +63,9 @@ class Property:
   # Whether it compares the implementation with its declared single-device
   # counterpart (ua_unsharded), which only a sharded op declares.
   needs_unsharded: bool = False
+  # For implementations whose reruns are (True) or are not (False) bitwise identical
+  # (ua_deterministic); None: every implementation.
+  for_deterministic: bool | None = None
   # Whether the check judges a case whose harness holds sampled rows alone
   # (Case.sampled_rows; Harness.judged): one that indexes the harness's bounds
   # by rows of its own needs every row, and draws no such case.
@@ -91,6 +94,10 @@ class Property:
     The one place that decides; the strategies then draw within what remains."""
     if self.needs_unsharded and impl.unsharded is None:
       return f"{impl.name} declares no ua_unsharded (it is not a sharded op)"
+    if self.for_deterministic is not None and impl.deterministic != self.for_deterministic:
+      return (f"{impl.name} declares ua_deterministic={impl.deterministic}: its reruns are "
+              f"judged by " + ("reruns_within_tolerance" if self.for_deterministic
+                               else "deterministic"))
     missing = (set(self.require) | self.uses_features) & impl.unsupported
     if missing:
       return f"{impl.name} {impl.lacks(missing)}"
@@ -162,7 +169,9 @@ PROPERTIES = (
              judged=checks.without_window),
     Property("gqa_equals_repeated_heads", checks.gqa_equals_repeated_heads, 4,
              require=frozenset({"gqa"})),
-    Property("deterministic", checks.deterministic, 3),
+    Property("deterministic", checks.deterministic, 3, for_deterministic=True),
+    Property("reruns_within_tolerance", checks.reruns_within_tolerance, 3,
+             for_deterministic=False),
     # Queries and keys of other lengths, and sinks (properties/checks/length_checks.py).
     Property("queries_equal_their_rows_of_the_full_call",
              length_checks.queries_equal_their_rows_of_the_full_call, 3,

@@ -44,7 +44,7 @@ from .case import FEATURES, KEYWORD_FEATURES, Case
 DTYPES = ("float32", "bfloat16", "float16")
 KNOWN_ATTRIBUTES = ("ua_unsupported", "ua_dtypes", "ua_head_dims", "ua_block_sizes",
                     "ua_config", "ua_cap_methods", "ua_cap_forms", "ua_seq_len_multiple",
-                    "ua_unsharded")
+                    "ua_unsharded", "ua_deterministic")
 
 
 class CapabilityError(ValueError):
@@ -76,6 +76,10 @@ class Implementation:
   cap_forms: Callable[[str], Any] | None = None
   seq_len_multiple: int = 1
   unsharded: str | None = None  # module:function of the same op on one device
+  # Whether reruns are bitwise identical (ua_deterministic; default True): a kernel whose
+  # reductions the hardware orders (atomics) declares False, and its reruns are held to its
+  # tolerance instead (registry: deterministic, reruns_within_tolerance).
+  deterministic: bool = True
   declared_head_dims: tuple[int, ...] = ()  # ua_head_dims when a collection
   # The features in ``unsupported`` because the signature takes no keyword for them.
   unsigned: frozenset = frozenset()
@@ -229,6 +233,11 @@ def declare(name: str, fn: Callable) -> Implementation:
       raise CapabilityError(f"{name}.ua_unsharded must name the single-device op as "
                             f"'module:function', got {single!r}")
     kwargs["unsharded"] = single
+  if hasattr(fn, "ua_deterministic"):
+    if not isinstance(fn.ua_deterministic, bool):
+      raise CapabilityError(f"{name}.ua_deterministic must be True or False, "
+                            f"got {fn.ua_deterministic!r}")
+    kwargs["deterministic"] = fn.ua_deterministic
   for attr in ("ua_config", "ua_cap_forms"):
     if hasattr(fn, attr):
       if not callable(getattr(fn, attr)):
