@@ -436,6 +436,8 @@ INDEXES = (
                  "mask_is_exact\"` (Tq != Tk, offsets, sinks)"),
             Kind("splash-highest-lengths-sinks-tpu", "tpu", r"-splash-highest-lengths-sinks-tpu",
                  "splash_attention_highest, the same selection"),
+            Kind("splash-scale-tpu", "tpu", r"-splash-scale-tpu",
+                 "splash at 32k-64k tokens on sampled rows (docs/SCALE.md)"),
             Kind("tpu-other", "tpu", r".", "any other run on a TPU"),
             Kind("splash-ci", "cpu", r"-splash-ci",
                  "`ua-verify --impl properties.peers.impls:splash_attention --profile ci` (interpret mode)"),

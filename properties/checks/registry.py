@@ -14,7 +14,7 @@ from typing import Callable
 
 from ua_reference.caps import CAP_METHODS
 
-from . import checks, length_checks, mask_check
+from . import checks, length_checks, mask_check, rerun_checks
 from ..judge.runner import Harness
 from ..model.case import Case
 
@@ -169,8 +169,8 @@ PROPERTIES = (
              judged=checks.without_window),
     Property("gqa_equals_repeated_heads", checks.gqa_equals_repeated_heads, 4,
              require=frozenset({"gqa"})),
-    Property("deterministic", checks.deterministic, 3, for_deterministic=True),
-    Property("reruns_within_tolerance", checks.reruns_within_tolerance, 3,
+    Property("deterministic", rerun_checks.deterministic, 3, for_deterministic=True),
+    Property("reruns_within_tolerance", rerun_checks.reruns_within_tolerance, 3,
              for_deterministic=False),
     # Queries and keys of other lengths, and sinks (properties/checks/length_checks.py).
     Property("queries_equal_their_rows_of_the_full_call",
