@@ -82,15 +82,28 @@ def other_rows_dq(case: Case, rows: np.ndarray, dq):
   """(largest |dq|, NaN count, inf count, worst index) over the rows not
   sampled, whose cotangents are zero: their dq is exactly 0 in any
   evaluation order (ds = p (dp - delta) with dp and delta both 0). None
-  under a z-loss, which gives them an lse cotangent."""
+  under a z-loss, which gives them an lse cotangent. Read in slices of
+  OTHER_ROWS_CHUNK rows: at T = 256k a float64 copy of them is 17 GB."""
   if case.z_loss_weight or dq is None:
     return None
-  other = np.ones(case.seq_len, bool)
-  other[rows] = False
-  x = np.asarray(dq)[:, other].astype(np.float64)
-  magnitude = np.where(np.isfinite(x), np.abs(x), 0.0)
-  worst = np.unravel_index(int(np.argmax(magnitude)), magnitude.shape) if x.size else ()
-  if worst:
-    worst = (worst[0], int(np.flatnonzero(other)[worst[1]])) + tuple(worst[2:])
-  return (float(magnitude.max(initial=0.0)), int(np.isnan(x).sum()), int(np.isinf(x).sum()),
-          tuple(int(i) for i in worst))
+  dq = np.asarray(dq)
+  largest, nans, infs, worst = 0.0, 0, 0, (0, 0) + (0,) * (dq.ndim - 2)
+  for start, stop in _other_runs(case.seq_len, rows):
+    for a in range(start, stop, OTHER_ROWS_CHUNK):
+      x = dq[:, a:min(stop, a + OTHER_ROWS_CHUNK)].astype(np.float32)
+      nans, infs = nans + int(np.isnan(x).sum()), infs + int(np.isinf(x).sum())
+      magnitude = np.where(np.isfinite(x), np.abs(x), 0.0)
+      at = np.unravel_index(int(np.argmax(magnitude)), magnitude.shape)
+      if float(magnitude[at]) > largest:
+        largest, worst = float(magnitude[at]), (int(at[0]), a + int(at[1])) + tuple(
+            int(i) for i in at[2:])
+  return largest, nans, infs, worst
+
+
+OTHER_ROWS_CHUNK = 4096
+
+
+def _other_runs(t: int, rows: np.ndarray) -> list[tuple[int, int]]:
+  """[start, stop) of each run of rows that are not sampled."""
+  edges = [0] + [e for a, b in row_blocks(rows) for e in (a, b)] + [t]
+  return [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b > a]
