@@ -79,7 +79,11 @@ def test_every_case_sits_on_the_campaigns_timeline(small_report):
   timeline = report["timeline"]
   assert timeline["workers"] == 1
   busy = sum(r["seconds"] for r in records) / report["seconds"]
-  assert timeline["busy_share"] == pytest.approx(busy, abs=0.01) and 0 < busy <= 1
+  # The report's seconds are rounded to 0.1 s, its busy share computed before: a run of 2.7 s
+  # moves busy by up to 0.05 / 2.7 of itself (0.938 against 0.926 in one CI run).
+  rounding = busy * 0.05 / report["seconds"] + 0.002
+  assert timeline["busy_share"] == pytest.approx(busy, abs=rounding)
+  assert 0 < busy <= 1 + 0.05 / report["seconds"] + 0.002
   assert timeline["first_case_started"] == pytest.approx(min(ats), abs=0.1)
   assert timeline["last_case_started"] == pytest.approx(max(ats), abs=0.1)
 
