@@ -30,7 +30,7 @@ import ua_reference
 
 from ..model.capabilities import Implementation, declare
 from ..model.case import Case
-from ..model.inputs import make_inputs, sampled_rows
+from ..model.inputs import make_inputs, sample_blocks, sampled_rows
 from . import sampled
 from .error_terms import HARNESS_COMPILER_OPTIONS, host_device
 from .tolerance import OUTPUTS, OutputError, compare, element_tolerance, floors
@@ -124,11 +124,15 @@ def _vjp_fn(impl: Implementation, case: Case, omit=()):
     kwargs.pop(name)
   return_lse = kwargs["return_lse"]
 
-  def run(q, k, v, segment_ids, temperature, dout, dlse, kv_segment_ids=None, sinks=None):
+  def run(q, k, v, segment_ids, temperature, dout, dlse, kv_segment_ids=None, sinks=None,
+          q_offset=None):
+    # ``q_offset``: the case's, traced (a sampled block of the reference's: runner._reference).
+    call = kwargs if q_offset is None else dict(kwargs, q_offset=q_offset)
+
     def f(q, k, v, *sinks_arg):
       extra = _extra_kwargs(kv_segment_ids, sinks_arg[0] if sinks_arg else None)
       return impl.fn(q, k, v, segment_ids=segment_ids, temperature=temperature, **extra,
-                     **kwargs)
+                     **call)
     primal, vjp = jax.vjp(f, q, k, v, *(() if sinks is None else (sinks,)))
     grads = vjp((dout, dlse) if return_lse else dout)
     out, lse = primal if return_lse else (primal, None)
@@ -242,19 +246,32 @@ def _reference_args(case: Case, inputs: dict, float64: bool):
   return args
 
 
-def _reference_executable(case: Case, args, float64: bool):
+def _reference_executable(case: Case, args, float64: bool, traced_offset: bool = False):
+  """The reference's VJP on ``args``; with ``traced_offset`` the case's q_offset
+  is the last argument, not part of the key: the blocks of sampled rows
+  (sampled.py), at offsets of their own, share one executable."""
   with_lse = dataclasses.replace(case, return_lse=True, tiles=None)
-  key = ("reference", with_lse.static_key(), float64,
-         tuple(None if a is None else a.shape for a in args))
+  keyed = dataclasses.replace(with_lse, q_offset=0) if traced_offset else with_lse
+  key = ("reference", keyed.static_key(), float64, traced_offset,
+         tuple(None if a is None else np.shape(a) for a in args))
   return _executable(key, lambda: _vjp_fn(REFERENCE, with_lse), args,
                      HARNESS_COMPILER_OPTIONS, "oracle_vjp" if float64 else "reference_vjp")
 
 
-def _reference(case: Case, inputs: dict, float64: bool):
+def _reference_call(case: Case, inputs: dict, float64: bool, traced_offset: bool = False):
+  """(executable, args) of the reference on ``case``; with ``traced_offset``,
+  the case's q_offset passed as an argument."""
+  args = _reference_args(case, inputs, float64)
+  if traced_offset:
+    args = args + (np.asarray(case.q_offset, np.int32),)
+  return _reference_executable(case, args, float64, traced_offset), args
+
+
+def _reference(case: Case, inputs: dict, float64: bool, traced_offset: bool = False):
   """(outputs and cotangents, lse) of the reference; lse is computed even when
   the case does not return it (the floors need it)."""
-  args = _reference_args(case, inputs, float64)
-  result = _as_numpy(_reference_executable(case, args, float64)(*args))
+  executable, args = _reference_call(case, inputs, float64, traced_offset)
+  result = _as_numpy(executable(*args))
   lse = result["lse"]
   if not case.return_lse:
     result["lse"] = None
@@ -293,15 +310,16 @@ def prepare(impl: Implementation, case: Case) -> None:
         jax.block_until_ready(executable(*args[-1]))
       return executable
 
-  with x64(True):
-    oracle_args = _reference_args(case, inputs, float64=True)
-  with x64(reference_x64(False)):
-    reference_args = _reference_args(case, inputs, float64=False)
+  # Sampled rows: blocks of one shape share the reference's executables (the first one's),
+  # built with their arguments in build's x64 mode.
+  blocks = sample_blocks(case)
+  judged = (case, inputs) if blocks is None else sampled.block_call(case, inputs, *blocks[0])
+  oracle = lambda: _reference_call(*judged, True, blocks is not None)[0]
+  reference = lambda: _reference_call(*judged, False, blocks is not None)[0]
   with x64(impl_x64):
     args = _args(inputs, float64=False)
   jobs = [(_checked_executable, (impl, case, args), impl_x64, True),
-          (_reference_executable, (case, oracle_args, True), True, False),
-          (_reference_executable, (case, reference_args, False), reference_x64(False), False)]
+          (oracle, (), True, False), (reference, (), reference_x64(False), False)]
   futures = [_POOL.submit(build, fn, *a, in_x64=flag, run=run) for fn, a, flag, run in jobs]
   for future in futures:
     with contextlib.suppress(Exception):
@@ -338,7 +356,8 @@ class Harness:
     def evaluate_reference(float64):
       if rows is None:
         return _reference(case, inputs, float64)
-      return sampled.evaluate_rows(case, inputs, lambda c, i: _reference(c, i, float64))
+      return sampled.evaluate_rows(
+          case, inputs, lambda c, i: _reference(c, i, float64, traced_offset=True))
 
     try:
       with x64(True):
@@ -377,9 +396,5 @@ class Harness:
       ref_err, tol = self.bounds[name]
       errors.append(compare(name, result[name], expected[name], ref_err, tol, slack=slack))
     if against_oracle and self.rows is not None and "dq" in outputs:
-      other = sampled.other_rows_dq(self.case, self.rows, full.get("dq"))
-      if other is not None:
-        largest, nans, infs, worst = other
-        errors.append(OutputError("dq (other rows)", largest, 0.0, 0.0, nans, infs, worst,
-                                  error=largest))
+      errors += sampled.other_rows_dq(self.case, full.get("dq"))
     return errors

@@ -17,16 +17,11 @@ import dataclasses
 import numpy as np
 
 from ..model.case import Case
-from ..model.inputs import sampled_rows
+from ..model.inputs import sample_blocks
+from .tolerance import OutputError
 
 ROW_OUTPUTS = ("out", "dq")  # [B, Tq, Hq, D]: judged at the sampled rows; lse [B, Hq, Tq] too
 KEY_OUTPUTS = ("dk", "dv", "dsinks")  # summed over the blocks
-
-
-def row_blocks(rows: np.ndarray) -> list[tuple[int, int]]:
-  """[start, stop) of each run of consecutive rows."""
-  cuts = np.flatnonzero(np.diff(rows) != 1) + 1
-  return [(int(run[0]), int(run[-1]) + 1) for run in np.split(rows, cuts)]
 
 
 def block_call(case: Case, inputs: dict, start: int, stop: int) -> tuple[Case, dict]:
@@ -50,9 +45,9 @@ def block_call(case: Case, inputs: dict, start: int, stop: int) -> tuple[Case, d
 
 def evaluate_rows(case: Case, inputs: dict, reference) -> tuple[dict, np.ndarray]:
   """(outputs, lse) of ``reference(case, inputs)`` -> (outputs, lse) on the
-  case's sampled rows: out, lse and dq of those rows, dk, dv and d sinks
-  summed over them (None under a z-loss)."""
-  parts = [reference(*block_call(case, inputs, a, b)) for a, b in row_blocks(sampled_rows(case))]
+  case's sampled rows, block by block (inputs.sample_blocks): out, lse and dq
+  of those rows, dk, dv and d sinks summed over them (None under a z-loss)."""
+  parts = [reference(*block_call(case, inputs, a, b)) for a, b in sample_blocks(case)]
   results = [r for r, _ in parts]
   lse = np.concatenate([lse for _, lse in parts], axis=2)
   out = {name: np.concatenate([r[name] for r in results], axis=1) for name in ROW_OUTPUTS}
@@ -78,17 +73,17 @@ def judged(case: Case, rows: np.ndarray, result: dict) -> dict:
   return out
 
 
-def other_rows_dq(case: Case, rows: np.ndarray, dq):
-  """(largest |dq|, NaN count, inf count, worst index) over the rows not
-  sampled, whose cotangents are zero: their dq is exactly 0 in any
-  evaluation order (ds = p (dp - delta) with dp and delta both 0). None
-  under a z-loss, which gives them an lse cotangent. Read in slices of
-  OTHER_ROWS_CHUNK rows: at T = 256k a float64 copy of them is 17 GB."""
+def other_rows_dq(case: Case, dq) -> list[OutputError]:
+  """[the error "dq (other rows)"] over the rows not sampled, whose cotangents
+  are zero: their dq is exactly 0 in any evaluation order (ds = p (dp - delta)
+  with dp and delta both 0), so its tolerance is 0. [] under a z-loss, which
+  gives them an lse cotangent. Read in slices of OTHER_ROWS_CHUNK rows: at
+  T = 256k a float64 copy of them is 17 GB."""
   if case.z_loss_weight or dq is None:
-    return None
+    return []
   dq = np.asarray(dq)
   largest, nans, infs, worst = 0.0, 0, 0, (0, 0) + (0,) * (dq.ndim - 2)
-  for start, stop in _other_runs(case.seq_len, rows):
+  for start, stop in _other_runs(case):
     for a in range(start, stop, OTHER_ROWS_CHUNK):
       x = dq[:, a:min(stop, a + OTHER_ROWS_CHUNK)].astype(np.float32)
       nans, infs = nans + int(np.isnan(x).sum()), infs + int(np.isinf(x).sum())
@@ -97,13 +92,13 @@ def other_rows_dq(case: Case, rows: np.ndarray, dq):
       if float(magnitude[at]) > largest:
         largest, worst = float(magnitude[at]), (int(at[0]), a + int(at[1])) + tuple(
             int(i) for i in at[2:])
-  return largest, nans, infs, worst
+  return [OutputError("dq (other rows)", largest, 0.0, 0.0, nans, infs, worst, error=largest)]
 
 
 OTHER_ROWS_CHUNK = 4096
 
 
-def _other_runs(t: int, rows: np.ndarray) -> list[tuple[int, int]]:
-  """[start, stop) of each run of rows that are not sampled."""
-  edges = [0] + [e for a, b in row_blocks(rows) for e in (a, b)] + [t]
+def _other_runs(case: Case) -> list[tuple[int, int]]:
+  """[start, stop) of the runs of rows between the sampled blocks."""
+  edges = [0] + [e for block in sample_blocks(case) for e in block] + [case.seq_len]
   return [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b > a]

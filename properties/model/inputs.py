@@ -205,11 +205,13 @@ def _activation_like(rng, case: Case):
   return q, k, v
 
 
-def sampled_rows(case: Case) -> np.ndarray | None:
-  """The query rows an oracle judges when the case samples them
-  (Case.sampled_rows; None: every row): blocks of SAMPLE_BLOCK rows or fewer,
-  the first and the last (the largest offsets into every tensor) and ones drawn
-  from the seed between them, sorted, Case.sampled_rows rows in all."""
+def sample_blocks(case: Case) -> list[tuple[int, int]] | None:
+  """[start, stop) of the query blocks an oracle judges when the case samples
+  rows (Case.sampled_rows; None: every row): blocks of one length,
+  SAMPLE_BLOCK rows or fewer, the first and the last (the largest offsets into
+  every tensor) and ones drawn from the seed between them, sorted,
+  Case.sampled_rows rows in all. One length, so that every block of every
+  input seed runs one compiled reference (runner._reference, its offset traced)."""
   n, t = case.sampled_rows, case.seq_len
   if not n or t <= n:
     return None
@@ -222,7 +224,13 @@ def sampled_rows(case: Case) -> np.ndarray | None:
     if len(starts) * block >= n:
       break
     starts.add(int(start))
-  return np.concatenate([np.arange(s, s + block) for s in sorted(starts)])
+  return [(s, s + block) for s in sorted(starts)]
+
+
+def sampled_rows(case: Case) -> np.ndarray | None:
+  """The query rows of sample_blocks, in order (None: every row)."""
+  blocks = sample_blocks(case)
+  return None if blocks is None else np.concatenate([np.arange(a, b) for a, b in blocks])
 
 
 SAMPLE_BLOCK = 64
