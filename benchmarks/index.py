@@ -438,6 +438,8 @@ INDEXES = (
                  "splash_attention_highest, the same selection"),
             Kind("splash-scale-tpu", "tpu", r"-splash-scale-tpu",
                  "splash at 32k-64k tokens on sampled rows (docs/SCALE.md)"),
+            Kind("splash-lse-tpu", "tpu", r"-splash-lse-tpu",
+                 "splash's lse on short causal rows against the chip's reference (its script inside)"),
             Kind("tpu-other", "tpu", r".", "any other run on a TPU"),
             Kind("splash-ci", "cpu", r"-splash-ci",
                  "`ua-verify --impl properties.peers.impls:splash_attention --profile ci` (interpret mode)"),
