@@ -23,7 +23,6 @@ import dataclasses
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import ua_reference
@@ -181,15 +180,16 @@ def _checked_executable(impl: Implementation, case: Case, args):
 
 def _args(inputs: dict, float64: bool):
   """(q, k, v, segment_ids, temperature, dout, dlse, kv_segment_ids, sinks):
-  the VJP's arguments."""
-  cast = (lambda x: jnp.asarray(np.asarray(x, np.float64))) if float64 else jnp.asarray
-  opt = lambda x: None if x is None else jnp.asarray(x)
+  the VJP's arguments, placed with jax.device_put: the dtypes jnp.asarray gives,
+  without the identity jnp.asarray compiles per shape on jax 0.10.2."""
+  put = jax.device_put
+  cast = (lambda x: put(np.asarray(x, np.float64))) if float64 else put
+  opt = lambda x: None if x is None else put(x)
   dlse = np.asarray(inputs["dlse"], np.float64 if float64 else np.float32)
   sinks = inputs.get("sinks")
-  sinks = None if sinks is None else jnp.asarray(
-      np.asarray(sinks, np.float64 if float64 else np.float32))
+  sinks = None if sinks is None else put(np.asarray(sinks, np.float64 if float64 else np.float32))
   return (cast(inputs["q"]), cast(inputs["k"]), cast(inputs["v"]), opt(inputs["segment_ids"]),
-          opt(inputs["temperature"]), cast(inputs["dout"]), jnp.asarray(dlse),
+          opt(inputs["temperature"]), cast(inputs["dout"]), put(dlse),
           opt(inputs.get("kv_segment_ids")), sinks)
 
 
@@ -242,7 +242,8 @@ def _reference_args(case: Case, inputs: dict, float64: bool):
   if device is not None:
     args = jax.device_put(args, device)
   if not case.return_lse:  # no cotangent on an lse the case ignores
-    args = args[:6] + (jnp.zeros_like(args[6]),) + args[7:]
+    zeros = np.zeros(args[6].shape, args[6].dtype)
+    args = args[:6] + (jax.device_put(zeros, device),) + args[7:]
   return args
 
 
