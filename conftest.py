@@ -16,7 +16,6 @@ _LONG_FIRST = (
     "tests/test_context_parallel.py::test_sharded_matches_the_single_device_call",
     "tests/test_properties.py::test_property[matches_oracle-",
     "tests/test_properties.py::test_property[packed_equals_separate]",
-    "tests/test_cap_methods.py::test_registered_methods_meet_their_declarations",
     "tests/test_gates.py::test_a_run_fails_a_planted_bias_and_a_planted_precision_regression",
     "tests/test_minimize.py::test_minimize_a_planted_defect_end_to_end",
     "tests/test_clients.py::test_a_narrow_kernel_is_drawn_at_its_own_head_dims_and_tiles",
