@@ -242,8 +242,7 @@ def _reference_args(case: Case, inputs: dict, float64: bool):
   if device is not None:
     args = jax.device_put(args, device)
   if not case.return_lse:  # no cotangent on an lse the case ignores
-    zeros = np.zeros(args[6].shape, args[6].dtype)
-    args = args[:6] + (jax.device_put(zeros, device),) + args[7:]
+    args = args[:6] + (jax.device_put(np.zeros(args[6].shape, args[6].dtype), device),) + args[7:]
   return args
 
 
