@@ -41,7 +41,7 @@ def _fail(method: CapMethod, params, what: str, x=None, detail: str = ""):
 
 # The checks evaluate their points in arrays whose length is a multiple of BUCKET (the first
 # point repeated): a search of hundreds of draws of every length then compiles each jnp
-# operation a few times rather than once per length (about 35 ms a compile on CI's CPU).
+# operation a few times rather than once per length (tens of milliseconds a compile on CI's CPU).
 BUCKET = 64
 
 
@@ -49,7 +49,8 @@ def _padded(xs, dtype) -> tuple[jax.Array, int]:
   """(xs as a jnp array of ``dtype`` padded to a multiple of BUCKET, len(xs))."""
   xs = np.asarray(xs, np.float64)
   n = xs.size
-  return jnp.asarray(np.concatenate([xs, np.full(-n % BUCKET, xs[0])]), dtype), n
+  fill = np.full(-n % BUCKET, xs[0] if n else 0.0)
+  return jnp.asarray(np.concatenate([xs, fill]), dtype), n
 
 
 def _at(values, n: int) -> np.ndarray:
