@@ -331,8 +331,9 @@ def _copy_repo(root: Path, dest: Path) -> None:
   """The checkout without what the suite does not read, but with the precision
   baselines (docs/baselines), whose verdict kills a mutant that only makes the
   errors grow (S3): without them that verdict never ran in a mutant's copy."""
+  # .ci-*: CI's compile cache (used in place, its path absolute), wheel and logs.
   ignore = shutil.ignore_patterns(".git", "__pycache__", ".hypothesis", "ua-failures", "*.egg-info",
-                                  ".venv*", "benchmarks", "docs", "ua-report*", ".whl")
+                                  ".venv*", "benchmarks", "docs", "ua-report*", ".whl", ".ci-*")
   shutil.copytree(root, dest, ignore=ignore, dirs_exist_ok=True)
   if (root / "docs" / "baselines").is_dir():
     shutil.copytree(root / "docs" / "baselines", dest / "docs" / "baselines", dirs_exist_ok=True)
