@@ -69,18 +69,22 @@ PEER_CONFIGS["tokamax[h100_best]"] = {"implementation": PEER_CONFIGS["tokamax"][
 def _git_commit():
   """The commit measured: the content of a .commit file at the repository root
   when one is there (written beside a copy of the tree sent to a machine whose
-  git directory may be stale or absent), else git's HEAD, else "unknown"."""
+  git directory may be stale or absent), else git's HEAD, with ``+dirty`` where
+  tracked files differ from it (such a run measured no commit), else "unknown"."""
   try:
     recorded = (_ROOT / ".commit").read_text().strip()
     if recorded:
       return recorded
   except OSError:
     pass
+  git = lambda *args: subprocess.run(["git", "-C", str(_ROOT), *args], check=True,
+                                     capture_output=True, text=True, timeout=10).stdout.strip()
   try:
-    return subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "HEAD"], check=True,
-                          capture_output=True, text=True, timeout=10).stdout.strip()
+    head = git("rev-parse", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=no")
   except Exception:  # noqa: BLE001 -- no git, or no repository (a copied tree)
     return "unknown"
+  return head + ("+dirty" if changed else "")
 
 
 def provenance(argv=None):
@@ -354,7 +358,8 @@ def print_feature_ratios(rows):
               f"fwd+bwd {r['fwd_bwd_tflops'] / base['fwd_bwd_tflops']:.2f}x")
 
 
-def main(argv=None):
+def _options(argv):
+  """(the parsed options, the implementations --impls names or None, the selected configurations)."""
   parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__)
   parser.add_argument("--set", default="quick", choices=sorted([*CONFIGS, "features", "decode"]))
   parser.add_argument("--repeats", type=int, default=5)
@@ -377,81 +382,76 @@ def main(argv=None):
   if wanted is not None and (not wanted or wanted - known):
     parser.error(f"--impls names unknown implementations {sorted(wanted - known)}; "
                  f"known: {sorted(known)}")
-  if jax.default_backend() != "gpu":
-    print(f"benchmarks.bench: no GPU (jax backend {jax.default_backend()}): the kernels run in the "
-          "Pallas interpreter, slowly, and the times say nothing of a GPU", file=sys.stderr,
-          flush=True)
   selected = selected_configs(options.set, options.dtype, options.cases)
   if options.cases is not None and not selected:
     parser.error(f"--cases {options.cases!r} names none of the set {options.set!r}'s cases")
-  header = provenance(argv)
-  if options.set == "decode":  # its own rows: forward GB/s, and the sinks' cost
-    from benchmarks import decode
-    rows = decode.decode_rows(options, time_interleaved, peers=not options.no_peers,
-                              written=lambda rows: _write(options.json, header, rows))
-    rows += decode.sink_rows(options, time_interleaved, _fwd_bwd)
-    rows += decode.other_keys_rows(options, time_interleaved, _fwd_bwd)
-    _write(options.json, header, rows)
-    print(f"date={header['measured'][:10]} device={header['gpu']} commit={header['commit']} "
-          + " ".join(f"{k}={v}" for k, v in header["versions"].items()))
-    decode.print_rows(rows)
-    return
-  rows = feature_rows(options) if options.set == "features" else []
-  for label, (b, t, hq, hkv, d, causal, window, cap, doc) in selected:
-    rng = np.random.default_rng(0)
-    dtype = jnp.dtype(options.dtype)
-    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
-    k = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
-    v = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
-    seg = None if not doc else jnp.asarray(np.repeat(np.arange(t // doc), doc)[None].repeat(b, 0))
-    flops = 4 * b * hq * d * visible_pairs(t, causal, window, doc)
-    kw = dict(causal=causal, window_len=window, segment_ids=seg,
-              cap_method="tanh" if cap else "none", cap_params=(cap,) if cap else ())
-    # ua_kernels as it dispatches (the Mosaic kernels on Hopper), and with
-    # every kernel on Pallas-Triton, timed side by side.
-    spec = validate(q, k, v, **kw)[0]
-    config = default_config(spec, q.dtype)
-    # Segment ids, where there are any, are a fourth argument (the peers run
-    # only configurations without them).
-    static = {key: value for key, value in kw.items() if key != "segment_ids"}
-    impls = {name: functools.partial(_with_runtime_options, fn, **static)
-             for name, fn in (("ua_kernels", ua_kernels.attention),
-                              ("ua_kernels[triton]", triton_attention))}
-    args = (q, k, v) + ((seg,) if doc else ())
-    configs = {"ua_kernels": {**dataclasses.asdict(config),
-                              **backends_for(spec, config, q.dtype)._asdict()},
-               "ua_kernels[triton]": {**dataclasses.asdict(config), "forward": "triton",
-                                      "backward": "triton"},
-               **PEER_CONFIGS}
-    if not options.no_peers:
-      impls.update(peers(causal, window, cap, doc, hq, hkv))
-    if wanted is not None:
-      impls = {name: fn for name, fn in impls.items() if name in wanted}
-    fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, args, options.repeats)
-    bwd = time_interleaved({n: _fwd_bwd(f) for n, f in impls.items()}, args, options.repeats)
-    stats = jax.devices()[0].memory_stats() or {}
-    for name in impls:
-      failed = [r for r in (fwd[name], bwd[name]) if isinstance(r, Exception)]
-      if failed:
-        rows.append({"case": label, "impl": name, "config": configs[name],
-                     "error": f"{type(failed[0]).__name__}: {failed[0]}"[:200]})
-        continue
+  return options, wanted, selected
+
+
+def _configuration_rows(label, shape, options, wanted) -> list:
+  """The result rows of one configuration of the set: ua_kernels as it
+  dispatches (the Mosaic kernels on Hopper) and with every kernel on
+  Pallas-Triton, side by side, and the peers in the same interleaved runs."""
+  b, t, hq, hkv, d, causal, window, cap, doc = shape
+  rng = np.random.default_rng(0)
+  dtype = jnp.dtype(options.dtype)
+  q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
+  k = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
+  v = jnp.asarray(rng.normal(size=(b, t, hkv, d)), dtype)
+  seg = None if not doc else jnp.asarray(np.repeat(np.arange(t // doc), doc)[None].repeat(b, 0))
+  flops = 4 * b * hq * d * visible_pairs(t, causal, window, doc)
+  kw = dict(causal=causal, window_len=window, segment_ids=seg,
+            cap_method="tanh" if cap else "none", cap_params=(cap,) if cap else ())
+  spec = validate(q, k, v, **kw)[0]
+  config = default_config(spec, q.dtype)
+  # Segment ids, where there are any, are a fourth argument (the peers run
+  # only configurations without them).
+  static = {key: value for key, value in kw.items() if key != "segment_ids"}
+  impls = {name: functools.partial(_with_runtime_options, fn, **static)
+           for name, fn in (("ua_kernels", ua_kernels.attention),
+                            ("ua_kernels[triton]", triton_attention))}
+  args = (q, k, v) + ((seg,) if doc else ())
+  configs = {"ua_kernels": {**dataclasses.asdict(config),
+                            **backends_for(spec, config, q.dtype)._asdict()},
+             "ua_kernels[triton]": {**dataclasses.asdict(config), "forward": "triton",
+                                    "backward": "triton"},
+             **PEER_CONFIGS}
+  if not options.no_peers:
+    impls.update(peers(causal, window, cap, doc, hq, hkv))
+  if wanted is not None:
+    impls = {name: fn for name, fn in impls.items() if name in wanted}
+  fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, args, options.repeats)
+  bwd = time_interleaved({n: _fwd_bwd(f) for n, f in impls.items()}, args, options.repeats)
+  stats = jax.devices()[0].memory_stats() or {}
+  rows = []
+  for name in impls:
+    failed = [r for r in (fwd[name], bwd[name]) if isinstance(r, Exception)]
+    if failed:
       rows.append({"case": label, "impl": name, "config": configs[name],
-                   "fwd_ms": fwd[name], "fwd_bwd_ms": bwd[name],
-                   "fwd_tflops": flops / fwd[name] / 1e9,
-                   "fwd_bwd_tflops": 3.5 * flops / bwd[name] / 1e9,
-                   "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2 ** 30})
-    flex_wanted = wanted is None or {"torch_flex", "torch_flex_tanh"} & wanted
-    if not options.no_peers and flex_wanted and not window and not doc and hq == hkv:
-      flex = torch_flex(b, t, hq, d, causal, cap, options.repeats, options.dtype)
-      if flex:
-        name = "torch_flex" + ("_tanh" if cap else "")
-        rows.append({"case": label, "impl": name, "config": configs[name],
-                     "fwd_ms": flex[0], "fwd_bwd_ms": flex[1], "fwd_tflops": flops / flex[0] / 1e9,
-                     "fwd_bwd_tflops": 3.5 * flops / flex[1] / 1e9})
-    _write(options.json, header, rows)  # after every configuration: a run cut short keeps its rows
+                   "error": f"{type(failed[0]).__name__}: {failed[0]}"[:200]})
+      continue
+    rows.append({"case": label, "impl": name, "config": configs[name],
+                 "fwd_ms": fwd[name], "fwd_bwd_ms": bwd[name],
+                 "fwd_tflops": flops / fwd[name] / 1e9,
+                 "fwd_bwd_tflops": 3.5 * flops / bwd[name] / 1e9,
+                 "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2 ** 30})
+  flex_wanted = wanted is None or {"torch_flex", "torch_flex_tanh"} & wanted
+  if not options.no_peers and flex_wanted and not window and not doc and hq == hkv:
+    flex = torch_flex(b, t, hq, d, causal, cap, options.repeats, options.dtype)
+    if flex:
+      name = "torch_flex" + ("_tanh" if cap else "")
+      rows.append({"case": label, "impl": name, "config": configs[name],
+                   "fwd_ms": flex[0], "fwd_bwd_ms": flex[1], "fwd_tflops": flops / flex[0] / 1e9,
+                   "fwd_bwd_tflops": 3.5 * flops / flex[1] / 1e9})
+  return rows
+
+
+def _print_header(header) -> None:
   print(f"date={header['measured'][:10]} device={header['gpu']} commit={header['commit']} "
         + " ".join(f"{k}={v}" for k, v in header["versions"].items()))
+
+
+def _print_rows(rows) -> None:
   width = max([38, *(len(r["case"]) for r in rows)])
   print(f"{'config':{width}} {'impl':20} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'f+b TF/s':>9} "
         f"{'peak GiB':>8}")
@@ -461,6 +461,31 @@ def main(argv=None):
     else:
       print(f"{r['case']:{width}} {r['impl']:20} {r['fwd_ms']:8.3f} {r['fwd_tflops']:9.1f} "
             f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_tflops']:9.1f} {r.get('peak_gib_so_far', 0):8.1f}")
+
+
+def main(argv=None):
+  options, wanted, selected = _options(argv)
+  if jax.default_backend() != "gpu":
+    print(f"benchmarks.bench: no GPU (jax backend {jax.default_backend()}): the kernels run in the "
+          "Pallas interpreter, slowly, and the times say nothing of a GPU", file=sys.stderr,
+          flush=True)
+  header = provenance(argv)
+  if options.set == "decode":  # its own rows: forward GB/s, and the sinks' cost
+    from benchmarks import decode
+    rows = decode.decode_rows(options, time_interleaved, peers=not options.no_peers,
+                              written=lambda rows: _write(options.json, header, rows))
+    rows += decode.sink_rows(options, time_interleaved, _fwd_bwd)
+    rows += decode.other_keys_rows(options, time_interleaved, _fwd_bwd)
+    _write(options.json, header, rows)
+    _print_header(header)
+    decode.print_rows(rows)
+    return
+  rows = feature_rows(options) if options.set == "features" else []
+  for label, shape in selected:
+    rows += _configuration_rows(label, shape, options, wanted)
+    _write(options.json, header, rows)  # after every configuration: a run cut short keeps its rows
+  _print_header(header)
+  _print_rows(rows)
   print_target_ratios(rows)
   print_feature_ratios(rows)
   _write(options.json, header, rows)

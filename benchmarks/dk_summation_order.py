@@ -47,22 +47,9 @@ def float32_fma_scores(q_cols, k_cols):
   return acc
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.dk_summation_order",
-                                   description=__doc__.split("\n\n")[0])
-  parser.add_argument("case")
-  parser.add_argument("--cut", type=float, default=20.0)
-  parser.add_argument("--json")
-  options = parser.parse_args(argv)
-  saved = load_case_file(options.case)
-  case = saved["case"]
-  # Where the saved run found dk's worst error ([batch, key, head, dim]), if it did.
-  saved_dk = next((e for e in saved.get("errors", []) if e.get("name") == "dk"), None)
-  if (case.batch, case.num_q_heads, case.num_kv_heads) != (1, 1, 1) or case.cap_method != "none" \
-      or case.temperature != "none" or case.segments != "none" or case.window_len:
-    parser.error("the case must have one batch row, one head, and no cap, temperature, "
-                 "segment ids or window")
-  x = make_inputs(case)
+def dk_four_ways(case, x, cut: float) -> dict:
+  """dk of the case's one row and head: exact (float64), and each of the
+  module docstring's ways (``scores``, ``rows``, ``tiles``, ``lse2``)."""
   q, k, v, dout = (x[name][0, :, 0, :] for name in ("q", "k", "v", "dout"))
   dlse = x["dlse"][0, 0].astype(np.float64)
   t, d = q.shape
@@ -72,9 +59,8 @@ def main(argv=None):
   q_cols, k_cols = np.ascontiguousarray(q.T), np.ascontiguousarray(k.T)
   scale2 = np.float32(sm * np.log2(np.e))  # the kernels' logits are base 2
 
-  dk = {"exact": np.zeros((t, d)), "scores": np.zeros((t, d)), "lse2": np.zeros((t, d))}
-  dk_rows = np.zeros((t, d), np.float32)
-  dk_tiles = np.zeros((t, d), np.float32)
+  dk = {"exact": np.zeros((t, d)), "scores": np.zeros((t, d)), "lse2": np.zeros((t, d)),
+        "rows": np.zeros((t, d), np.float32), "tiles": np.zeros((t, d), np.float32)}
   start = time.time()
   for r0 in range(0, t, 512):
     r1 = min(t, r0 + 512)
@@ -82,7 +68,7 @@ def main(argv=None):
     z = sm * (q64[r0:r1] @ k64[:keys].T)
     if case.causal:
       z = np.where(np.arange(keys)[None, :] <= np.arange(r0, r1)[:, None], z, -np.inf)
-    ii, jj = np.nonzero(z >= z.max(axis=1, keepdims=True) - options.cut)  # row-major: rows in order
+    ii, jj = np.nonzero(z >= z.max(axis=1, keepdims=True) - cut)  # row-major: rows in order
     chunk = 1 << 20
     gpu_scores = np.concatenate([
         float32_fma_scores(q_cols[:, r0 + ii[c:c + chunk]], k_cols[:, jj[c:c + chunk]])
@@ -104,32 +90,54 @@ def main(argv=None):
       terms = (sm * ds)[:, None] * q64[r0 + ii]
       np.add.at(dk[name], jj, terms)
       if name == "exact":
-        np.add.at(dk_rows, jj, terms.astype(np.float32))  # in order, one rounding per add
+        np.add.at(dk["rows"], jj, terms.astype(np.float32))  # in order, one rounding per add
         for t0 in range(r0, r1, TILE):
           sel = (r0 + ii >= t0) & (r0 + ii < t0 + TILE)
           tile = np.zeros((keys, d), np.float32)
           np.add.at(tile, jj[sel], terms[sel].astype(np.float32))
           seen = np.unique(jj[sel])
-          dk_tiles[seen] = dk_tiles[seen] + tile[seen]
+          dk["tiles"][seen] = dk["tiles"][seen] + tile[seen]
     print(f"rows {r1}/{t} ({time.time() - start:.0f} s)", flush=True)
+  return dk
 
-  worst_exact = float(np.abs(dk["exact"]).max())
-  result = {"case": options.case, "cut": options.cut, "max_abs_dk": worst_exact, "errors": {},
-            "saved_dk": saved_dk}
-  for name, got in (("scores", dk["scores"]), ("rows", dk_rows), ("tiles", dk_tiles),
-                    ("lse2", dk["lse2"])):
-    err = np.abs(got.astype(np.float64) - dk["exact"])
+
+def _errors(dk: dict, saved_dk) -> dict:
+  """Each way's max |dk - exact dk| and where, printed as it goes."""
+  errors = {}
+  for name in ("scores", "rows", "tiles", "lse2"):
+    err = np.abs(dk[name].astype(np.float64) - dk["exact"])
     where = np.unravel_index(np.argmax(err), err.shape)
-    result["errors"][name] = {"max_abs_err": float(err.max()),
-                              "worst_index": [int(i) for i in where]}
+    errors[name] = {"max_abs_err": float(err.max()), "worst_index": [int(i) for i in where]}
     line = f"{name:7} max |dk error| {err.max():.4g} at key {where[0]}, dim {where[1]}"
     if saved_dk:
       key, dim = saved_dk["worst_index"][1], saved_dk["worst_index"][3]
-      result["errors"][name]["at_saved_worst_index"] = float(err[key, dim])
+      errors[name]["at_saved_worst_index"] = float(err[key, dim])
       line += (f"; {err[key, dim]:.4g} at the saved run's worst (key {key}, dim {dim}: "
                f"{saved_dk['max_abs_err']:.4g} there, tolerance {saved_dk['tolerance']:.4g})")
     print(line)
-  result["seconds"] = round(time.time() - start)
+  return errors
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.dk_summation_order",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("case")
+  parser.add_argument("--cut", type=float, default=20.0)
+  parser.add_argument("--json")
+  options = parser.parse_args(argv)
+  saved = load_case_file(options.case)
+  case = saved["case"]
+  # Where the saved run found dk's worst error ([batch, key, head, dim]), if it did.
+  saved_dk = next((e for e in saved.get("errors", []) if e.get("name") == "dk"), None)
+  if (case.batch, case.num_q_heads, case.num_kv_heads) != (1, 1, 1) or case.cap_method != "none" \
+      or case.temperature != "none" or case.segments != "none" or case.window_len:
+    parser.error("the case must have one batch row, one head, and no cap, temperature, "
+                 "segment ids or window")
+  start = time.time()
+  dk = dk_four_ways(case, make_inputs(case), options.cut)
+  result = {"case": options.case, "cut": options.cut,
+            "max_abs_dk": float(np.abs(dk["exact"]).max()), "errors": _errors(dk, saved_dk),
+            "saved_dk": saved_dk, "seconds": round(time.time() - start)}
   if options.json:
     with open(options.json, "w") as f:
       json.dump(result, f, indent=1)
