@@ -3,9 +3,9 @@
 Verify it with ``ua-verify --impl properties.peers.impls_tokamax:tokamax_attention`` on a
 Hopper GPU with tokamax installed (docs/PEERS.md says how it was carried there).
 
-``tokamax_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
-cap_method="none", cap_params=(), temperature=None, sm_scale=None,
-z_loss_weight=0.0, return_lse=False, config=None)``
+``tokamax_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None,
+causal=False, window_len=0, cap_method="none", cap_params=(), temperature=None,
+sm_scale=None, z_loss_weight=0.0, return_lse=False, config=None, implementation="mosaic")``
 
 Maps docs/SEMANTICS.md onto tokamax 0.0.17's Op API (the op behind
 ``tokamax.dot_product_attention(..., implementation="mosaic")``), calling the
@@ -21,7 +21,11 @@ Mapping (tokamax/_src/ops/attention/...):
   window W, causal  -> ``CausalMask(offset=0, window_size=W)``: j <= i and j > i - W (base.py:63-65)
   window W, !causal -> ``Mask(k_start=max(0, i-W+1))``: j > i - W, future keys stay visible
   segment_ids       -> dense bool mask [B,1,T,T] (tokamax has no segment-id primitive);
-                       T padded to a multiple of 64 (its mask VJP needs it, see _attention)
+                       T padded to a multiple of 64 (its mask VJP needs it, _same_length_mask)
+  Tq != Tk, q_offset -> ``CausalMask(offset=q_offset, window_size=W)`` (traced offsets too)
+                       or, not causal, ``k_start`` at the offset; with kv_segment_ids the
+                       contract's whole mask, dense (_other_keys_mask); rows without a
+                       visible key: out 0, lse -inf, as the contract says
   GQA               -> native: q head h reads kv head h // (Hq/Hkv) (base.py:426-431,
                        pallas_mosaic_gpu_kernel_sm90.py:554)
   return_lse        -> ``return_residuals=True`` gives (m, l) = (row max, sum exp(logit-m))
@@ -45,9 +49,11 @@ import types
 import jax
 import jax.numpy as jnp
 
-from ua_reference.contract import validate
+from ua_reference import visible_keys
+from ua_reference.contract import validate_call
 
-__all__ = ["tokamax_attention", "h100_best_config", "install_xprof_stub"]
+__all__ = ["tokamax_attention", "tokamax_xla_attention", "h100_best_config",
+           "install_xprof_stub"]
 
 
 # --------------------------------------------------------------------------- import
@@ -103,8 +109,10 @@ def h100_best_config(causal: bool):
 
 
 @functools.cache
-def _op(dtype_name: str, fwd_config, vjp_config):
+def _op(dtype_name: str, fwd_config, vjp_config, implementation: str = "mosaic"):
   tk = _tk()
+  if implementation == "xla":  # tokamax's own XLA op, the reference of its Op API
+    return tk.base.DotProductAttention()
   vjp = tk.mgpu_vjp.PallasMosaicGpuFlashAttentionVjp(config=vjp_config)
   # The sm90 kernel skips the running max when a soft cap <= 60 is given
   # (base.needs_stable_softmax, base.py:753-768; sm90 kernel :444-458) and casts
@@ -142,45 +150,28 @@ _lse_without_gradient.defvjp(_guard_fwd, _guard_bwd, symbolic_zeros=True)
 
 
 # --------------------------------------------------------------------------- validation
-def _validate(q, k, v, **kw):
-  spec, segment_ids, temperature = validate(q, k, v, **kw)
-  return spec.sm_scale, segment_ids, temperature
-
-
-# --------------------------------------------------------------------------- the adapter
-def tokamax_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
-                      cap_method="none", cap_params=(), temperature=None, sm_scale=None,
-                      z_loss_weight=0.0, return_lse=False, config=None):
-  """The contract through tokamax's Mosaic-GPU flash attention (sm90 on H100/H200).
-
-  ``config``: None (tokamax's own choice: autotuning cache, else heuristics),
-  "h100_best" (``h100_best_config(causal)``), or a ``(fwd_config, vjp_config)``
-  pair (tokamax sm90.Config / vjp_common.Config; either may be None).
-  """
-  sm_scale, segment_ids, temperature = _validate(
-      q, k, v, segment_ids=segment_ids, causal=causal, window_len=window_len,
-      cap_method=cap_method, cap_params=cap_params, temperature=temperature,
-      sm_scale=sm_scale, z_loss_weight=z_loss_weight, return_lse=return_lse)
-
+def _refuse(spec, temperature, dtype):
+  """tokamax's soft cap (None or c), or NotImplementedError for what it cannot express."""
   if temperature is not None:
     raise NotImplementedError("tokamax has no per-query temperature after the cap "
                               "(only an additive bias before it)")
-  if z_loss_weight:
+  if spec.z_loss_weight:
     raise NotImplementedError("tokamax cannot carry a z-loss gradient (no gradient "
                               "through its softmax residuals)")
-  if cap_method == "none":
-    soft_cap = None
-  elif cap_method == "tanh":
-    (soft_cap,) = (float(c) for c in cap_params)
-  else:
-    raise NotImplementedError(f"tokamax has only the tanh soft cap, not {cap_method!r}")
-  dtype = jnp.dtype(q.dtype)
-  if dtype.name not in ("bfloat16", "float16"):
+  if spec.cap_method not in ("none", "tanh"):
+    raise NotImplementedError(f"tokamax has only the tanh soft cap, not {spec.cap_method!r}")
+  if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
     raise NotImplementedError(f"tokamax's Mosaic-GPU attention runs bf16/f16 only, not "
-                              f"{dtype.name} (f32 would be downcast to bf16)")
+                              f"{jnp.dtype(dtype).name} (f32 would be downcast to bf16)")
+  return float(spec.cap_params[0]) if spec.cap_method == "tanh" else None
 
-  tk = _tk()
-  b, t, hq, d = q.shape
+
+def _pad_rows(x, length):
+  return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
+
+
+def _same_length_mask(tk, t, causal, window_len, segment_ids):
+  """(mask, padded length) of queries and keys of one length, no offset."""
   tp = t
   if segment_ids is not None and t % _MASK_SEQ_MULTIPLE:
     # The sm90 VJP kernel cannot TMA-load a dense [T,T] mask unless T is < 64 and a
@@ -191,8 +182,6 @@ def tokamax_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
     # padded keys are hidden from real queries, each padded query sees only its own
     # (zero) key, so real rows, their lse and all real gradients are unchanged.
     tp = -(-t // _MASK_SEQ_MULTIPLE) * _MASK_SEQ_MULTIPLE
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
-    q, k, v = pad(q), pad(k), pad(v)
   mask = tk.base.Mask(is_causal=bool(causal))
   if window_len and window_len < t:  # a window >= T hides nothing
     if causal:
@@ -209,23 +198,91 @@ def tokamax_attention(q, k, v, *, segment_ids=None, causal=False, window_len=0,
       same = jnp.where(real[:, None] & real[None, :], same,
                        (idx[:, None] == idx[None, :]) & ~real[:, None])
     mask = mask & tk.base.Mask(same)
+  return mask, tp
 
-  if config is None:
-    fwd_cfg = vjp_cfg = None
-  elif isinstance(config, str) and config == "h100_best":
-    fwd_cfg, vjp_cfg = h100_best_config(bool(causal)) if d <= 128 else (None, None)
+
+def _other_keys_mask(tk, call, tq, tkv):
+  """(mask, has_key [B or 1, Tq], padded lengths) of keys of another length, an
+  offset or the keys' own ids. Without ids: tokamax's CausalMask at the offset
+  (k <= q + offset, and k > q + offset - window; base.py:60-90, a traced offset
+  taken) or, not causal, a window as k_start; with ids, the contract's whole mask
+  (ua_reference.visible_keys), dense, both lengths padded to the VJP's multiple of
+  64 (_same_length_mask): padded keys hidden from real queries, padded queries
+  seeing every key (their cotangents are 0). has_key: the rows that see a key."""
+  spec, offset, window = call.spec, call.q_offset, call.spec.window_len
+  if call.segment_ids is not None:
+    dense = visible_keys(tq, call.segment_ids, spec.causal, window, kv_seq_len=tkv,
+                         kv_segment_ids=call.kv_segment_ids, q_offset=offset)  # [B,Tq,Tk]
+    has_key = jnp.any(dense, axis=-1)
+    tqp, tkp = (-(-n // _MASK_SEQ_MULTIPLE) * _MASK_SEQ_MULTIPLE for n in (tq, tkv))
+    dense = jnp.pad(dense, ((0, 0), (0, tqp - tq), (0, tkp - tkv)))
+    dense = dense | (jnp.arange(tqp) >= tq)[None, :, None]
+    return tk.base.Mask(dense[:, None]), has_key, (tqp, tkp)
+  pos = jnp.arange(tq, dtype=jnp.int32) + offset  # each query's key position
+  lo = jnp.maximum(pos - window + 1, 0) if window else jnp.zeros_like(pos)
+  hi = jnp.minimum(pos, tkv - 1) if spec.causal else jnp.full_like(pos, tkv - 1)
+  if spec.causal:
+    mask = tk.base.Mask(causal_mask=tk.base.CausalMask(offset=offset,
+                                                       window_size=window or None))
+  elif window:
+    mask = tk.base.Mask(k_start=lo)
   else:
-    fwd_cfg, vjp_cfg = config
-  op = _op(dtype.name, fwd_cfg, vjp_cfg)
+    mask = tk.base.Mask()
+  return mask, (lo <= hi)[None], (tq, tkv)
 
-  out, residuals = op(q, k, v, logits_scale=float(sm_scale), logits_soft_cap=soft_cap,
+
+def _config(config, causal, d):
+  if config is None:
+    return None, None
+  if isinstance(config, str) and config == "h100_best":
+    return h100_best_config(bool(causal)) if d <= 128 else (None, None)
+  return config
+
+
+# --------------------------------------------------------------------------- the adapter
+def tokamax_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None,
+                      causal=False, window_len=0, cap_method="none", cap_params=(),
+                      temperature=None, sm_scale=None, z_loss_weight=0.0, return_lse=False,
+                      config=None, implementation="mosaic"):
+  """The contract through tokamax's Mosaic-GPU flash attention (sm90 on H100/H200),
+  or with ``implementation="xla"`` tokamax's XLA op (``base.DotProductAttention``,
+  configs ignored): tokamax_xla_attention.
+
+  ``config``: None (tokamax's own choice: autotuning cache, else heuristics),
+  "h100_best" (``h100_best_config(causal)``), or a ``(fwd_config, vjp_config)``
+  pair (tokamax sm90.Config / vjp_common.Config; either may be None).
+  Keys of another length, an offset or the keys' own ids: _other_keys_mask; a
+  row that sees no key gets the contract's out 0 and lse -inf.
+  """
+  call = validate_call(
+      q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+      causal=causal, window_len=window_len, cap_method=cap_method, cap_params=cap_params,
+      temperature=temperature, sm_scale=sm_scale, z_loss_weight=z_loss_weight,
+      return_lse=return_lse)
+  spec = call.spec
+  soft_cap = _refuse(spec, call.temperature, q.dtype)
+  tk = _tk()
+  _, t, _, d = q.shape
+  tkv = k.shape[1]
+  other_keys = tkv != t or q_offset is not None or kv_segment_ids is not None
+  if other_keys:
+    mask, has_key, (tqp, tkp) = _other_keys_mask(tk, call, t, tkv)
+    q, k, v = _pad_rows(q, tqp), _pad_rows(k, tkp), _pad_rows(v, tkp)
+  else:
+    mask, tp = _same_length_mask(tk, t, spec.causal, spec.window_len, call.segment_ids)
+    q, k, v = _pad_rows(q, tp), _pad_rows(k, tp), _pad_rows(v, tp)
+  op = _op(jnp.dtype(q.dtype).name, *_config(config, causal, d), implementation)
+  out, residuals = op(q, k, v, logits_scale=float(spec.sm_scale), logits_soft_cap=soft_cap,
                       mask=mask, return_residuals=True)
   out = out[:, :t].astype(q.dtype)
+  m, l = residuals  # [B, Hq, T] float32 each, natural-log units
+  lse = (m + jnp.log(l))[..., :t].astype(jnp.float32)
+  if other_keys:
+    out = jnp.where(has_key[:, :, None, None], out, 0)
+    lse = jnp.where(has_key[:, None, :], lse, -jnp.inf)
   if not return_lse:
     return out
-  m, l = residuals  # [B, Hq, T] float32 each, natural-log units
-  lse = (m + jnp.log(l))[..., :t]
-  return out, _lse_without_gradient(lse.astype(jnp.float32))
+  return out, _lse_without_gradient(lse)
 
 
 # Capability declarations (properties/model/capabilities.py).
@@ -239,3 +296,22 @@ tokamax_attention.ua_head_dims = lambda d: d % 8 == 0 and 8 <= d <= 256
 # Forward: each CTA runs 2 compute warpgroups of block_q=64 rows -> 128-row q tiles;
 # kv tiles 128 (64 when SMEM is tight).  VJP: 64-row/col blocks, 128-wide per CTA.
 tokamax_attention.ua_block_sizes = (64, 128)
+
+
+def tokamax_xla_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None,
+                          causal=False, window_len=0, cap_method="none", cap_params=(),
+                          temperature=None, sm_scale=None, z_loss_weight=0.0, return_lse=False):
+  """tokamax_attention on tokamax's XLA op: the same mapping of the contract onto
+  tokamax's masks, on any backend; bfloat16 only (XLA:CPU has no F16_F16_F32
+  dot for float16). tests/test_tokamax_adapter.py runs it."""
+  return tokamax_attention(q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                           q_offset=q_offset, causal=causal, window_len=window_len,
+                           cap_method=cap_method, cap_params=cap_params,
+                           temperature=temperature, sm_scale=sm_scale,
+                           z_loss_weight=z_loss_weight, return_lse=return_lse,
+                           implementation="xla")
+
+
+for _name in ("ua_unsupported", "ua_cap_methods", "ua_head_dims"):
+  setattr(tokamax_xla_attention, _name, getattr(tokamax_attention, _name))
+tokamax_xla_attention.ua_dtypes = ("bfloat16",)  # its float16 product does not run on a CPU
