@@ -81,9 +81,12 @@ def _git_commit():
                                      capture_output=True, text=True, timeout=10).stdout.strip()
   try:
     head = git("rev-parse", "HEAD")
-    changed = git("status", "--porcelain", "--untracked-files=no")
   except Exception:  # noqa: BLE001 -- no git, or no repository (a copied tree)
     return "unknown"
+  try:
+    changed = git("status", "--porcelain", "--untracked-files=no")
+  except Exception:  # noqa: BLE001 -- HEAD known, the tree's state not: not HEAD's alone
+    changed = "unknown"
   return head + ("+dirty" if changed else "")
 
 

@@ -133,8 +133,9 @@ def main(argv=None):
       or case.temperature != "none" or case.segments != "none" or case.window_len:
     parser.error("the case must have one batch row, one head, and no cap, temperature, "
                  "segment ids or window")
+  inputs = make_inputs(case)
   start = time.time()
-  dk = dk_four_ways(case, make_inputs(case), options.cut)
+  dk = dk_four_ways(case, inputs, options.cut)
   result = {"case": options.case, "cut": options.cut,
             "max_abs_dk": float(np.abs(dk["exact"]).max()), "errors": _errors(dk, saved_dk),
             "saved_dk": saved_dk, "seconds": round(time.time() - start)}

@@ -161,8 +161,9 @@ def _refuse(spec, temperature, dtype):
   if spec.cap_method not in ("none", "tanh"):
     raise NotImplementedError(f"tokamax has only the tanh soft cap, not {spec.cap_method!r}")
   if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
-    raise NotImplementedError(f"tokamax's Mosaic-GPU attention runs bf16/f16 only, not "
-                              f"{jnp.dtype(dtype).name} (f32 would be downcast to bf16)")
+    raise NotImplementedError(f"the tokamax adapter runs bf16/f16 only, not "
+                              f"{jnp.dtype(dtype).name} (its Mosaic-GPU kernel would downcast "
+                              f"f32 to bf16)")
   return float(spec.cap_params[0]) if spec.cap_method == "tanh" else None
 
 
@@ -228,6 +229,10 @@ def _other_keys_mask(tk, call, tq, tkv):
     mask = tk.base.Mask(k_start=lo)
   else:
     mask = tk.base.Mask()
+  # Every key past Tk hidden: the forward clamps its k_end to Tk (pallas_mosaic_gpu.py:
+  # 148-152), the sm90 backward does not, and a row without keys (m -inf, l 0) would meet
+  # the zero-filled keys of the last tile unmasked (p inf, ds NaN).
+  mask = mask & tk.base.Mask(k_end=jnp.full((tq,), tkv, jnp.int32))
   return mask, (lo <= hi)[None], (tq, tkv)
 
 
@@ -261,6 +266,8 @@ def tokamax_attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offse
       return_lse=return_lse)
   spec = call.spec
   soft_cap = _refuse(spec, call.temperature, q.dtype)
+  if implementation not in ("mosaic", "xla"):
+    raise ValueError(f"implementation must be 'mosaic' or 'xla', got {implementation!r}")
   tk = _tk()
   _, t, _, d = q.shape
   tkv = k.shape[1]
