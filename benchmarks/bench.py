@@ -381,7 +381,7 @@ def _options(argv):
   if options.repeats < 1:
     parser.error(f"--repeats must be at least 1, got {options.repeats}")
   wanted = None if options.impls is None else set(options.impls.split(","))
-  known = {"ua_kernels", "ua_kernels[triton]", *PEER_CONFIGS}
+  known = {"ua_kernels", "ua_kernels[fused]", "ua_kernels[triton]", *PEER_CONFIGS}
   if wanted is not None and (not wanted or wanted - known):
     parser.error(f"--impls names unknown implementations {sorted(wanted - known)}; "
                  f"known: {sorted(known)}")
@@ -412,10 +412,14 @@ def _configuration_rows(label, shape, options, wanted) -> list:
   static = {key: value for key, value in kw.items() if key != "segment_ids"}
   impls = {name: functools.partial(_with_runtime_options, fn, **static)
            for name, fn in (("ua_kernels", ua_kernels.attention),
+                            ("ua_kernels[fused]", functools.partial(ua_kernels.attention,
+                                                                    deterministic=False)),
                             ("ua_kernels[triton]", triton_attention))}
   args = (q, k, v) + ((seg,) if doc else ())
   configs = {"ua_kernels": {**dataclasses.asdict(config),
                             **backends_for(spec, config, q.dtype)._asdict()},
+             "ua_kernels[fused]": {**dataclasses.asdict(config), **backends_for(
+                 spec, config, q.dtype, deterministic=False)._asdict()},
              "ua_kernels[triton]": {**dataclasses.asdict(config), "forward": "triton",
                                     "backward": "triton"},
              **PEER_CONFIGS}

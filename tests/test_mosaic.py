@@ -105,6 +105,48 @@ def test_backward_lowers_for_cuda(shape_class):
     assert f"{kernel}{halves}_mosaic" in text
 
 
+# The fused backward (deterministic=False; bfloat16, head dims to 128): GQA under a causal mask,
+# packed documents with temperature and a window on a padded length, a cap whose ds is rounded
+# without bias (tests/test_mosaic_interpret.py runs the same classes).
+FUSED_CLASSES = [SHAPE_CLASSES[i] for i in (1, 5, 6)]
+
+
+@pytest.mark.parametrize("shape_class", FUSED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_the_fused_backward_lowers_for_cuda(shape_class):
+  """deterministic=False: the gradient is one Mosaic kernel, dkv_dq_kernel, in
+  place of the dq and dk/dv kernels (jax 0.10 names a kernel that takes a ref
+  new_body, not its kernel_name)."""
+  args, extra, options = _arguments(*shape_class)
+  config = dataclasses.replace(MOSAIC, interpret=False)
+
+  def loss(q, k, v, **extra):
+    out = ua_kernels.attention(q, k, v, config=config, deterministic=False, **options, **extra)
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), args, extra)
+  assert "ua_backward_fused_mosaic_mosaic_gpu" in text or "new_body_mosaic_gpu" in text
+  assert "ua_backward_dq_mosaic" not in text and "ua_backward_dkv_mosaic" not in text
+
+
+def test_the_fused_backward_runs_where_it_can():
+  """bfloat16 at head dims up to 128 whose shared memory fits; elsewhere the
+  other kernels, whose reruns are bitwise identical anyway."""
+  spec = _spec()
+  fused = functools.partial(backends_for, deterministic=False)
+  assert fused(spec, MOSAIC, jnp.bfloat16) == ("mosaic", "mosaic_fused")
+  assert backends_for(spec, MOSAIC, jnp.bfloat16) == ("mosaic", "mosaic")
+  assert fused(_spec(jnp.float16), MOSAIC, jnp.float16).backward == "mosaic"
+  assert fused(_spec(d=256), MOSAIC, jnp.bfloat16).backward == "mosaic"
+  assert fused(spec, KernelConfig(backend="triton"), jnp.bfloat16).backward == "triton"
+  three_stages = KernelConfig(backend="mosaic", mosaic=MosaicTiles(stages_bwd=3))
+  tiles = effective_config(spec, jnp.bfloat16, three_stages).mosaic
+  assert "shared memory" in mosaic_backward.fused_unsupported(spec, jnp.bfloat16, tiles)
+  assert fused(spec, three_stages, jnp.bfloat16).backward == "mosaic"
+  x = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+  with pytest.raises(TypeError, match="deterministic must be True or False"):
+    ua_kernels.attention(x, x, x, deterministic=0)
+
+
 # Sinks: causal with GQA and a cap (whose 16-bit rounded row sum takes the sink too), and packed
 # documents with temperature (the persistent forward, whose programs take items of every head).
 SINK_CLASSES = [
@@ -425,17 +467,28 @@ def test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones(shape_cla
   _assert_gradients_as_close_as_triton(q, k, v, inputs, options)
 
 
-def _assert_gradients_as_close_as_triton(q, k, v, inputs, options):
+def _assert_gradients_as_close_as_triton(q, k, v, inputs, options, deterministic=True):
   """dq, dk, dv of the Mosaic backend against the float32 reference, each as
   _assert_as_close_as_triton holds it."""
   import ua_reference
   upcast = [x.astype(jnp.float32) for x in (q, k, v)]
   reference = _gradients(ua_reference.attention, *upcast, inputs, options)
-  run = lambda backend: _gradients(
-      functools.partial(ua_kernels.attention, config=KernelConfig(backend=backend)),
+  run = lambda backend, **kw: _gradients(
+      functools.partial(ua_kernels.attention, config=KernelConfig(backend=backend), **kw),
       q, k, v, inputs, options)
-  for name, m, t, r in zip(("dq", "dk", "dv"), run("mosaic"), run("triton"), reference):
+  mosaic = run("mosaic", deterministic=deterministic)
+  for name, m, t, r in zip(("dq", "dk", "dv"), mosaic, run("triton"), reference):
     _assert_as_close_as_triton(name, m, t, r, q.dtype)
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
+@pytest.mark.parametrize("shape_class", FUSED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_the_fused_backward_is_as_close_to_the_reference_as_triton(shape_class):
+  """Compiled on Hopper, deterministic=False: the fused backward's gradients
+  as test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones holds
+  the other kernels'."""
+  (q, k, v), inputs, options = _gpu_inputs(shape_class)
+  _assert_gradients_as_close_as_triton(q, k, v, inputs, options, deterministic=False)
 
 
 def _assert_as_close_as_triton(name, mosaic, triton, reference, dtype):

@@ -13,6 +13,7 @@ forward's). CI's jax 0.10 has no such interpreter and skips them.
 
 import dataclasses
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,8 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax._src.pallas import core as pallas_core  # noqa: E402
 from jax._src.state import types as state_types  # noqa: E402
 
-from test_mosaic import (OTHER_KEYS_CLASSES, SHAPE_CLASSES, SINK_CLASSES,  # noqa: E402
+from test_mosaic import (FUSED_CLASSES, OTHER_KEYS_CLASSES, SHAPE_CLASSES,  # noqa: E402
+                         SINK_CLASSES,
                          _gpu_inputs, _other_keys_id, other_keys_inputs)
 from ua_kernels import KernelConfig, MosaicTiles, cap_forms, devices  # noqa: E402
 from ua_kernels.mosaic import backward as mosaic_backward  # noqa: E402
@@ -63,11 +65,13 @@ def _is_ref(x):
 
 @pytest.fixture
 def interpreter_gaps(monkeypatch):
-  real_wgmma = plgpu.wgmma
+  real_wgmma, real_run_state = plgpu.wgmma, pl.run_state
 
   def run_state(body):
     def run(init):
       inits = init if isinstance(init, tuple) else (init,)
+      if not all(hasattr(i, "_init") for i in inits):  # not an accumulator: the fused call's
+        return real_run_state(body)(init)
       accs = tuple(_RegisterAccumulator(i._init) for i in inits)
       body(accs if isinstance(init, tuple) else accs[0])
       values = tuple(a.value for a in accs)
@@ -267,8 +271,8 @@ def test_the_forward_of_other_keys_matches_triton_in_the_interpreters(shape_clas
     assert np.all(np.asarray(shift[:, :, :hidden]) == -np.inf)
 
 
-def _compare(shape_class, tiles, backward=True):
-  _compare_inputs(*_gpu_inputs(shape_class), tiles, backward)
+def _compare(shape_class, tiles, backward=True, fused=False):
+  _compare_inputs(*_gpu_inputs(shape_class), tiles, backward, fused=fused)
 
 
 def _far_apart_tiles():
@@ -317,7 +321,8 @@ def _no_worse_than(name, got, other, reference, dtype):
       f"{name}: Mosaic error {err:.3g} against float64, Triton {other_err:.3g}")
 
 
-def _compare_inputs(qkv, inputs, options, tiles, backward=True, out_reference=None):
+def _compare_inputs(qkv, inputs, options, tiles, backward=True, out_reference=None,
+                    fused=False):
   q, k, v = qkv
   spec, seg, temp = validate(q, k, v, **options, **inputs)
   temp = None if temp is None else temp.astype(jnp.float32)
@@ -339,7 +344,7 @@ def _compare_inputs(qkv, inputs, options, tiles, backward=True, out_reference=No
     if backward and mosaic_backward.unsupported(spec, q.dtype) is None:
       delta = attention_module._delta(spec, out, dout, lse2, dlse)
       grads_m = mosaic_backward.backward(spec, tiles, q, k, v, seg, temp, shift, delta, dout,
-                                         fast_cap=fast_cap)
+                                         fast_cap=fast_cap, fused=fused)
     else:
       grads_m = None
   if out_reference is None:
@@ -351,3 +356,44 @@ def _compare_inputs(qkv, inputs, options, tiles, backward=True, out_reference=No
     for name, got, want in zip(("dq", "dk", "dv"), grads_m, grads):
       _close(name, got, want, q.dtype)
 
+
+
+@pytest.fixture
+def tma_reduce_add(monkeypatch):
+  """The interpreter lacks a TMA store's reduction (copy_smem_to_gmem's
+  reduction_op), which the fused backward's dq takes: supplied here, for
+  "add", as a read of the destination, the sum, and a write, under one lock
+  (the interpreter runs a copy at its issue, in the issuing thread)."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  adding, lock = threading.local(), threading.Lock()
+  real_copy, real_task = gpu_callbacks.copy_smem_to_gmem, gpu_callbacks.AsyncCopySmemToGmemTask
+
+  class AddingTask(real_task):
+    def __call__(self, tma_thread_id):
+      if not getattr(adding, "on", False):
+        return super().__call__(tma_thread_id)
+      memory = gpu_callbacks._get_shared_memory()
+      with lock:
+        share, _, _ = memory.get_buffer_content(self.src_allocation_key, self.src_access,
+                                                self.thread)
+        total, _, _ = memory.get_buffer_content(self.dst_allocation_key, self.dst_access,
+                                                self.thread)
+        memory.store_buffer_content(self.dst_allocation_key, self.dst_access, total + share,
+                                    self.thread)
+
+  def copy(*, reduction_op=None, **kwargs):
+    assert reduction_op in (None, "add"), reduction_op
+    adding.on = reduction_op == "add"
+    try:
+      return real_copy(reduction_op=None, **kwargs)
+    finally:
+      adding.on = False
+
+  monkeypatch.setattr(gpu_callbacks, "copy_smem_to_gmem", copy)
+  monkeypatch.setattr(gpu_callbacks, "AsyncCopySmemToGmemTask", AddingTask)
+
+
+@pytest.mark.parametrize("shape_class", FUSED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_the_fused_backward_matches_triton_in_the_interpreters(shape_class, interpreter_gaps,
+                                                               tma_reduce_add):
+  _compare(shape_class, MosaicTiles(), fused=True)

@@ -42,9 +42,11 @@ def _is_hopper() -> bool:
 
 
 class Backends(NamedTuple):
-  """The kernels of one call: "mosaic" or "triton" for its forward and for its
-  backward. Decided once (backends_for), before the trace, and carried as a
-  static argument, so that the forward and the backward cannot disagree."""
+  """The kernels of one call: "mosaic" or "triton" for its forward, and for its
+  backward "mosaic", "mosaic_fused" (one kernel, dq added up across key tiles
+  in the order the hardware takes: deterministic=False) or "triton". Decided
+  once (backends_for), before the trace, and carried as a static argument, so
+  that the forward and the backward cannot disagree."""
 
   forward: str
   backward: str
@@ -80,7 +82,7 @@ def _forward_backend(spec: StaticSpec, config: KernelConfig, dtype, block_keys: 
 
 
 def backends_for(spec: StaticSpec, config: KernelConfig | None, dtype,
-                 block_keys: bool = False) -> Backends:
+                 block_keys: bool = False, deterministic: bool = True) -> Backends:
   """The backends of a call (KernelConfig.backend). "auto" takes Mosaic on
   Hopper for 16-bit inputs and head dims up to 256, equal lengths without an
   offset or sinks; the Mosaic forward takes those too when asked for, but not
@@ -88,12 +90,17 @@ def backends_for(spec: StaticSpec, config: KernelConfig | None, dtype,
   their own ids). The backward runs on the forward's backend where that
   backend's backward supports the call (the Mosaic one: the queries' own keys,
   head dims up to 256, above 128 with tiles whose shared memory fits;
-  mosaic.backward.unsupported), else on Triton. ``config`` as given or
-  effective: its unset tiles are the table's here too."""
+  mosaic.backward.unsupported), else on Triton; not ``deterministic``, the
+  fused Mosaic backward where it runs (mosaic.backward.fused_unsupported), the
+  others where not (their reruns are bitwise identical anyway). ``config`` as
+  given or effective: its unset tiles are the table's here too."""
   config = effective_config(spec, dtype, config)
   forward = _forward_backend(spec, config, dtype, block_keys)
   backward = ("mosaic" if forward == "mosaic" and not _other_keys(spec, block_keys)
               and mosaic_backward.unsupported(spec, dtype, config.mosaic) is None else "triton")
+  if (backward == "mosaic" and not deterministic
+      and mosaic_backward.fused_unsupported(spec, dtype, config.mosaic) is None):
+    backward = "mosaic_fused"
   return Backends(forward, backward)
 
 
@@ -143,9 +150,9 @@ def _backward(spec: StaticSpec, config: KernelConfig, backends: Backends, q, k, 
   if delta is None:
     delta = _delta(spec, out, dout, _lse2(spec, temp, shift, low), dlse)
   fast_cap = cap_forms.fast_cap(spec, q.dtype)
-  if backends.backward == "mosaic":
+  if backends.backward in ("mosaic", "mosaic_fused"):
     return mosaic_backward.backward(spec, config.mosaic, q, k, v, seg, temp, shift, delta, dout,
-                                    fast_cap=fast_cap)
+                                    fast_cap=fast_cap, fused=backends.backward == "mosaic_fused")
   return triton_launch.backward(spec, config, q, k, v, seg, temp, shift, low, delta, dout, keys,
                                 fast_cap=fast_cap)
 
@@ -209,9 +216,12 @@ _jitted_attention = jax.jit(_attention, static_argnums=(0, 1, 2))
 
 def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, sinks=None,
               causal=False, window_len=0, cap_method="none", cap_params=(), temperature=None,
-              sm_scale=None, z_loss_weight=0.0, return_lse=False,
+              sm_scale=None, z_loss_weight=0.0, return_lse=False, deterministic=True,
               config: KernelConfig | None = None):
-  """Unified attention through the Pallas kernels; see docs/SEMANTICS.md."""
+  """Unified attention through the Pallas kernels; see docs/SEMANTICS.md.
+  ``deterministic=False`` lets the backward add dq's parts in the order the
+  hardware takes (the fused Mosaic backward, where it runs: backends_for), so
+  that reruns may differ in the last bits of dq."""
   call = validate_call(
       q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
       sinks=sinks, causal=causal, window_len=window_len, cap_method=cap_method,
@@ -233,7 +243,10 @@ def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, 
   # Unset fields take the tuned table's values before jit: the effective
   # config keys the compilation, whichever backend the call forces.
   config = effective_config(spec, q.dtype, config)
-  backends = backends_for(spec, config, q.dtype, block_keys=keys is not None)
+  if not isinstance(deterministic, bool):
+    raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
+  backends = backends_for(spec, config, q.dtype, block_keys=keys is not None,
+                          deterministic=deterministic)
   out, lse = _jitted_attention(spec, config, backends, q, k, v, call.segment_ids, temperature,
                                keys, call.sinks)
   return (out, lse) if return_lse else out

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from . import cap_forms
 from .attention import SUPPORTED_DTYPES, _config_for_tiles, attention
 from .kernel_config import KernelConfig
+from .mosaic import backward as mosaic_backward
 from .mosaic import common as mosaic_common
 from .mosaic import forward as mosaic_forward
 
@@ -38,6 +39,13 @@ def mosaic_attention(q, k, v, *, sinks=None, config: KernelConfig | None = None,
   return _forced("mosaic", q, k, v, config, dict(kwargs, sinks=sinks))
 
 
+def fused_attention(q, k, v, *, sinks=None, config: KernelConfig | None = None, **kwargs):
+  """mosaic_attention with ``deterministic=False``: the fused backward, which
+  adds each key tile's share of dq into one float32 array in the order the
+  GPU's copies arrive (bfloat16, head dims up to 128)."""
+  return _forced("mosaic", q, k, v, config, dict(kwargs, sinks=sinks, deterministic=False))
+
+
 def triton_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
   """ua_kernels.attention with every kernel on Pallas-Triton (any GPU, float32,
   and the CPU interpreter)."""
@@ -54,6 +62,13 @@ mosaic_attention.ua_cap_forms = cap_forms.fast_forms
 # The Mosaic forward takes keys of another length and offsets, but not with segment ids, which
 # a declaration cannot say: the suite draws neither for it (docs/PLUGINS.md).
 mosaic_attention.ua_unsupported = ("kv_length", "q_offset", "kv_segment_ids")
+
+fused_attention.ua_dtypes = ("bfloat16",)
+fused_attention.ua_head_dims = lambda d: d <= mosaic_backward.HALVES_ABOVE
+fused_attention.ua_block_sizes = mosaic_attention.ua_block_sizes
+fused_attention.ua_cap_forms = cap_forms.fast_forms
+fused_attention.ua_unsupported = mosaic_attention.ua_unsupported
+fused_attention.ua_deterministic = False
 
 # It takes every keyword of the op it forces (the suite reads a callable's signature
 # for the keywords of Tq != Tk, offsets and sinks; docs/PLUGINS.md).

@@ -99,9 +99,11 @@ def rows_per_block(spec: StaticSpec) -> int:
 
 def attention(q, k, v, *, segment_ids=None, kv_segment_ids=None, q_offset=None, sinks=None,
               causal=False, window_len=0, cap_method="none", cap_params=(), temperature=None,
-              sm_scale=None, z_loss_weight=0.0, return_lse=False, config=None):
-  """Reference unified attention; ``config`` is accepted and ignored."""
-  del config
+              sm_scale=None, z_loss_weight=0.0, return_lse=False, deterministic=True,
+              config=None):
+  """Reference unified attention; ``deterministic`` and ``config`` (the kernels'
+  choices of how to compute it) are accepted and ignored."""
+  del deterministic, config
   call = validate_call(
       q, k, v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
       sinks=sinks, causal=causal, window_len=window_len, cap_method=cap_method,

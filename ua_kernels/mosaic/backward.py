@@ -65,20 +65,24 @@ from . import common
 from .config import MosaicTiles
 from ..padding import pad
 from ..segment_spans import tile_ranges
-from .backward_parts import BackwardParams, dkv_scratch, dq_scratch, HALVES_ABOVE, tile_shapes
+from .backward_parts import (BackwardParams, dkv_scratch, dq_scratch, fused_scratch, HALVES_ABOVE,
+                             tile_shapes)
 # What callers ask of the backward before they launch it (attention.backends_for, the tests).
-from .backward_parts import MAX_HEAD_DIM, halves_shared_memory, unsupported  # noqa: F401
+from .backward_parts import (MAX_HEAD_DIM, fused_unsupported, halves_shared_memory,  # noqa: F401
+                             unsupported)
 from .dq import dq_halves_kernel, dq_kernel
-from .dkv import dkv_halves_kernel, dkv_kernel
+from .dkv import dkv_dq_kernel, dkv_halves_kernel, dkv_kernel
 
 
 def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, delta, dout, *,
-             fast_cap: bool, kernels=("dq", "dkv")):
+             fast_cap: bool, kernels=("dq", "dkv"), fused: bool = False):
   """(dq, dk, dv) of the unpadded inputs. ``shift`` [B, Hq, T] is the forward's
   row statistic (SoftmaxState.finalize without low), ``delta`` [B, Hq, T] = rowsum(dO * O) - dlse - w * lse (0 on rows
   without a visible key), ``temp`` [B, T, Hq] float32 or None. ``kernels``
   runs only some of the two (the others' outputs are None), so that
-  benchmarks.breakdown times each on its own."""
+  benchmarks.breakdown times each on its own. ``fused``: one kernel,
+  dkv.dkv_dq_kernel, in their place (backward_parts.fused_unsupported says
+  where it runs; its dq is not bitwise reproducible)."""
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   dtype = q.dtype
@@ -126,6 +130,17 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, de
       grid_names=("heads", "kv_tiles", "batch"),
       kernel_name="ua_backward_dkv_halves_mosaic" if halves else "ua_backward_dkv_mosaic",
   )
+  if fused:
+    fused_call = common.accumulating_call(
+        functools.partial(dkv_dq_kernel, params(dkv_shape)), spec=spec, fast_cap=fast_cap,
+        accumulator=jax.ShapeDtypeStruct((b, seq_pad, hq, head_dim), jnp.float32),
+        out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
+        scratch_types=fused_scratch(dkv_shape),
+        grid=(hkv, seq_pad // (2 * dkv_shape.block_kv), b),
+        grid_names=("heads", "kv_tiles", "batch"), kernel_name="ua_backward_fused_mosaic")
+    with fast_math.native("mosaic"):
+      dq, dk, dv = fused_call(q, k, v, dout, rows, seg, spans_dkv)
+    return dq[:, :t, :, :d].astype(dtype), dk[:, :t, :, :d], dv[:, :t, :, :d]
   dq = dk = dv = None
   with fast_math.native("mosaic"):
     if "dq" in kernels:

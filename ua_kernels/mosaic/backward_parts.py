@@ -156,6 +156,36 @@ def dkv_scratch(shape: TileShape) -> list:
           *ring_barriers]
 
 
+def fused_scratch(shape: TileShape) -> list:
+  """The shared memory of the fused kernel (dkv.dkv_dq_kernel): dkv_kernel's,
+  then per compute warpgroup a ds tile [block_kv, block_q] in the inputs'
+  dtype and a float32 dq share [block_q, head_dim], both as wgmma and TMA
+  take them (128-byte swizzled rows)."""
+  plgpu = common.plgpu()
+  f32_swizzled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+  return [*dkv_scratch(shape),
+          plgpu.SMEM((2, shape.block_kv, shape.block_q), shape.dtype,
+                     transforms=common.swizzled()),
+          plgpu.SMEM((2, shape.block_q, shape.head_dim), jnp.float32, transforms=f32_swizzled)]
+
+
+def fused_unsupported(spec: StaticSpec, dtype, tiles: MosaicTiles) -> str | None:
+  """Why the fused backward (deterministic=False) cannot run this call, where
+  the Mosaic backward can (None: it can). ``tiles`` filled."""
+  if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+    return (f"the fused backward takes bfloat16, not {jnp.dtype(dtype).name} (float16's "
+            f"range scaling of ds is per key row there, and dq's needs one per query)")
+  if spec.head_dim > HALVES_ABOVE:
+    return f"the fused backward takes head dims up to {HALVES_ABOVE}, not {spec.head_dim}"
+  _, shape = tile_shapes(tiles, dtype, common.padded_head_dim(spec.head_dim), num_rows=3,
+                         halves=False)
+  need = common.scratch_bytes(fused_scratch(shape))
+  if need > common.MAX_SHARED_MEMORY:
+    return (f"the fused backward with {tiles} needs {need} bytes of shared memory, more than "
+            f"the {common.MAX_SHARED_MEMORY} of a block")
+  return None
+
+
 # --- helpers of the four kernels ------------------------------------------------------
 
 def _column_half(part: int, half: int):

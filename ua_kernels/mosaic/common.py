@@ -7,6 +7,7 @@ whose API differs across jax releases come from pallas_compat."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -211,6 +212,44 @@ def warp_specialized_call(body, *, spec: StaticSpec, fast_cap: bool, **kernel_ar
                                lowering_semantics=mgpu.LoweringSemantics.Warpgroup)
   return kernel_call(body, num_threads=3, thread_name="wg", compiler_params=params,
                      **kernel_args)
+
+
+def accumulating_call(body, *, spec: StaticSpec, fast_cap: bool, accumulator, out_type,
+                      scratch_types, grid, grid_names, kernel_name: str):
+  """warp_specialized_call of a body that also adds into an array of
+  ``accumulator``'s shape and dtype, zeroed before the call and returned
+  before the outputs; its ref follows the operands' refs. The array is a ref
+  of pl.run_state, which pl.kernel aliases in and out: the state stays inside
+  this call, so the custom VJP around it sees a pure function (a jax.new_ref
+  there has no discharge rule through custom_jvp). plgpu.kernel's batching
+  wrapper rejects a ref under jax 0.10, so the mesh is built here as
+  plgpu.kernel builds it."""
+  mgpu = plgpu()
+  params = mgpu.CompilerParams(approx_math=approx_math(spec, fast_cap),
+                               lowering_semantics=mgpu.LoweringSemantics.Warpgroup)
+  mesh = mgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg",
+                   kernel_name=kernel_name)
+
+  def call(*operands):
+    absent = [i for i, x in enumerate(operands) if x is None]
+
+    def with_nones(*refs):
+      refs = list(refs)
+      for i in absent:
+        refs.insert(i, None)
+      pl.run_scoped(functools.partial(body, *refs), *scratch_types, collective_axes="wg")
+
+    def stateful(refs):
+      total, *out_refs = refs
+      outs = pl.kernel(with_nones, out_type=out_type, mesh=mesh, compiler_params=params,
+                       name=kernel_name)(*(x for x in operands if x is not None), total)
+      for ref, out in zip(out_refs, outs):
+        ref[...] = out
+
+    zeros = lambda like: jnp.zeros(like.shape, like.dtype)
+    return pl.run_state(stateful)((zeros(accumulator), *map(zeros, out_type)))
+
+  return call
 
 
 def own_tiles(tiles: Tiles, program_lo, program_hi) -> Tiles:

@@ -53,11 +53,12 @@ def _stream_queries(p: BackwardParams, ring: _QueryRing, q_ref, do_ref, rows_ref
 
 
 def _dkv_step(p: BackwardParams, ring: _QueryRing, k_own, v_own, part, seg_ref, bi, k_start,
-              qb, g, carry, masked):
+              qb, g, carry, masked, share=None):
   """One step of a dk/dv warpgroup (query tile ``qb`` of the group's query
   head ``g``): sT = K Q^T and dpT = V dO^T, then dv += pT dO and dk += dsT Q,
   over the whole head dim (``part`` None) or the gradients' column half
-  ``part`` (``k_own``/``v_own`` then hold both halves)."""
+  ``part`` (``k_own``/``v_own`` then hold both halves). ``share`` (the fused
+  kernel's _DqShare) then sends this step's ds K to dq."""
   plgpu = common.plgpu()
   shape = p.shape
   dk, dv = carry
@@ -84,7 +85,9 @@ def _dkv_step(p: BackwardParams, ring: _QueryRing, k_own, v_own, part, seg_ref, 
   ds16, exponent = matmul_operand(ds_t, shape.dtype, axis=1,
                                   bits=dither_bits(*grid, 1) if unbiased_ds else None)
   dk = _accumulate(dk, ds16, _ring_columns(ring.q_smem, s, part, shape.half), exponent)
-  plgpu.barrier_arrive(ring.q_free.at[s])
+  plgpu.barrier_arrive(ring.q_free.at[s])  # the step's Q and dO are read; ds K needs neither
+  if share is not None:
+    share.send(p, ds16, exponent, k_own, bi, q_start, g)
   return dk, dv
 
 
@@ -96,12 +99,66 @@ def _group_steps(p: BackwardParams, step):
   return query_tile
 
 
+class _DqShare(NamedTuple):
+  """The fused kernel's dq: the float32 accumulator [B, T, Hq, D] in global
+  memory, and one compute warpgroup's ds tile ([block_kv, block_q], 16-bit)
+  and dq share ([block_q, D], float32) in shared memory."""
+  dq_ref: Any
+  kv_head: Any
+  ds_smem: Any
+  out_smem: Any
+
+  def send(self, p: BackwardParams, ds16, exponent, k_own, bi, q_start, g):
+    """dq[the step's queries, head g of the group] += ds K: ds goes through
+    shared memory, where wgmma reads it transposed (its rows, the keys, are the
+    product's inner dimension), then the share is added into global memory by
+    a TMA reduce-add, in whatever order the copies of other programs arrive."""
+    plgpu = common.plgpu()
+    if exponent is not None:
+      raise NotImplementedError("the fused backward has no float16 range scaling of ds")
+    bq = p.shape.block_q
+    self.ds_smem[...] = ds16
+    plgpu.commit_smem()
+
+    def product(acc):
+      plgpu.wgmma(acc, self.ds_smem.transpose((1, 0)), k_own)
+      return acc[...]
+
+    share = pl.run_scoped(product, plgpu.ACC((bq, p.shape.head_dim), jnp.float32))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left out_smem
+    self.out_smem[...] = share
+    plgpu.commit_smem()
+    h = self.kv_head * p.group + g
+    plgpu.copy_smem_to_gmem(self.out_smem, self.dq_ref.at[bi, pl.ds(q_start, bq), h],
+                            reduction_op="add")
+
+
 def dkv_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref,
-               dk_ref, dv_ref, k_smem2, v_smem2, q_smem, do_smem, rows_smem,
-               k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free):
+               dk_ref, dv_ref, *scratch):
   """dk/dv: a program owns 2 * block_kv keys of one kv head, each compute
   warpgroup one tile of block_kv; the memory warpgroup streams the query
   tiles of the hull of their ranges, for every query head of the group."""
+  _dkv_program(p, (q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref), dk_ref, dv_ref,
+               scratch, None)
+
+
+def dkv_dq_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref,
+                  spans_ref, dq_ref, dk_ref, dv_ref, *scratch):
+  """The fused backward: dkv_kernel's program, whose steps also add their ds K
+  into ``dq_ref``, a zeroed float32 [B, T, Hq, D] (_DqShare): five tile
+  products a step where the dq and dk/dv kernels take seven, dq's sums in the
+  order the hardware takes (fused_scratch has the two extra buffers)."""
+  *scratch, ds_smem2, out_smem2 = scratch
+  _dkv_program(p, (q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref), dk_ref, dv_ref,
+               scratch, (dq_ref, ds_smem2, out_smem2))
+
+
+def _dkv_program(p: BackwardParams, refs, dk_ref, dv_ref, scratch, dq):
+  """dkv_kernel's program; ``dq``: None, or the fused kernel's (accumulator,
+  ds buffers, share buffers)."""
+  q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref = refs
+  (k_smem2, v_smem2, q_smem, do_smem, rows_smem,
+   k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free) = scratch
   plgpu = common.plgpu()
   bq, bkv, group = p.shape.block_q, p.shape.block_kv, p.group
   bi = lax.axis_index("batch")
@@ -134,9 +191,11 @@ def dkv_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref
       plgpu.barrier_arrive(q_free.at[s])
       return carry
 
+    share = None if dq is None else _DqShare(dq[0], kv_head, dq[1].at[wg], dq[2].at[wg])
+
     def step(qb, g, carry, masked):
       return _dkv_step(p, ring, k_smem, v_smem, None, seg_ref, bi, k_start, qb, g, carry,
-                       masked)
+                       masked, share)
 
     zeros = (_zero_gradient(bkv, p.shape.head_dim, range_scaled(p.shape.dtype)),
              _zero_gradient(bkv, p.shape.head_dim))
