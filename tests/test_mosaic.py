@@ -105,10 +105,10 @@ def test_backward_lowers_for_cuda(shape_class):
     assert f"{kernel}{halves}_mosaic" in text
 
 
-# The fused backward (deterministic=False; bfloat16, head dims to 128): GQA under a causal mask,
-# packed documents with temperature and a window on a padded length, a cap whose ds is rounded
-# without bias (tests/test_mosaic_interpret.py runs the same classes).
-FUSED_CLASSES = [SHAPE_CLASSES[i] for i in (1, 5, 6)]
+# The fused backward (deterministic=False; head dims to 128): GQA under a causal mask; float16
+# with MQA, a window and a padded length (ds scaled per query for dq, per key for dk); a cap
+# whose ds is rounded without bias (tests/test_mosaic_interpret.py runs the same classes).
+FUSED_CLASSES = [SHAPE_CLASSES[i] for i in (1, 2, 6)]
 
 
 @pytest.mark.parametrize("shape_class", FUSED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
@@ -129,13 +129,13 @@ def test_the_fused_backward_lowers_for_cuda(shape_class):
 
 
 def test_the_fused_backward_runs_where_it_can():
-  """bfloat16 at head dims up to 128 whose shared memory fits; elsewhere the
-  other kernels, whose reruns are bitwise identical anyway."""
+  """16-bit inputs at head dims up to 128 whose shared memory fits; elsewhere
+  the other kernels, whose reruns are bitwise identical anyway."""
   spec = _spec()
   fused = functools.partial(backends_for, deterministic=False)
   assert fused(spec, MOSAIC, jnp.bfloat16) == ("mosaic", "mosaic_fused")
   assert backends_for(spec, MOSAIC, jnp.bfloat16) == ("mosaic", "mosaic")
-  assert fused(_spec(jnp.float16), MOSAIC, jnp.float16).backward == "mosaic"
+  assert fused(_spec(jnp.float16), MOSAIC, jnp.float16).backward == "mosaic_fused"
   assert fused(_spec(d=256), MOSAIC, jnp.bfloat16).backward == "mosaic"
   assert fused(spec, KernelConfig(backend="triton"), jnp.bfloat16).backward == "triton"
   three_stages = KernelConfig(backend="mosaic", mosaic=MosaicTiles(stages_bwd=3))
