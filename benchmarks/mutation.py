@@ -230,6 +230,14 @@ MUTANTS = [
            "  q_pos, k_pos = (p.astype(jnp.int16).astype(jnp.int32) for p in (q_pos, k_pos))\n",
            "positions held in 16 bits in the mask: exact below 32768, every causal or window "
            "mask wrong past it", rotates=False),
+    # --- the fused backward's dq (ua_kernels.backends:fused_attention on Hopper; docs/MUTATION.md,
+    # "A race") ------------------------------------------------------------------------------
+    Mutant("R1", "ua_kernels/mosaic/dkv.py",
+           "    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left "
+           "out_smem\n", "",
+           "the fused backward's dq share written over the last one before its TMA add has "
+           "read it: a key tile's share lost or mixed only where the copy engine lags the "
+           "compute (a race)", rotates=False),
     Mutant("P2", CAP_FORMS, '"tanh": tanh_cap(jnp.tanh)',
            '"tanh": tanh_cap(lambda x: (jnp.exp(2 * x) - 1) / (jnp.exp(2 * x) + 1))',
            "the exact tanh cap as a ratio of exponentials: inf / inf = NaN once |x / cap| "

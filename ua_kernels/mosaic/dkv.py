@@ -135,12 +135,11 @@ class _DqShare(NamedTuple):
       self.exponent_smem[...] = exponent
       plgpu.commit_smem()
       share = scaled_back(share, load_vector(self.exponent_smem, plgpu.Layout.WGMMA.reduce(1)))
+    dq_rows = self.dq_ref.at[bi, pl.ds(q_start, bq), self.kv_head * p.group + g]
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left out_smem
     self.out_smem[...] = share
     plgpu.commit_smem()
-    h = self.kv_head * p.group + g
-    plgpu.copy_smem_to_gmem(self.out_smem, self.dq_ref.at[bi, pl.ds(q_start, bq), h],
-                            reduction_op="add")
+    plgpu.copy_smem_to_gmem(self.out_smem, dq_rows, reduction_op="add")
 
 
 def dkv_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref,
