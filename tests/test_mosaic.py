@@ -538,7 +538,8 @@ def test_mosaic_forward_of_other_keys_matches_triton(shape_class):
 
 def test_backend_implementations_declare_what_they_run():
   """ua_kernels.backends as the suite loads them: the Mosaic one 16-bit and
-  head dims up to 256 only; the Triton one everything, its config forced to
+  head dims up to 256 only, the fused one up to 128 and its reruns not bitwise
+  identical; the Triton one everything, its config forced to
   Triton; on this CPU the Triton one computes what the dispatching op does."""
   from properties.model.capabilities import load_impl
 
@@ -546,6 +547,10 @@ def test_backend_implementations_declare_what_they_run():
   assert mosaic.dtypes == ("bfloat16", "float16")
   assert mosaic.head_dims(256) and not mosaic.head_dims(320)
   assert mosaic.unsupported == {"kv_length", "q_offset", "kv_segment_ids"}
+  fused = load_impl("ua_kernels.backends:fused_attention")
+  assert fused.deterministic is False and mosaic.deterministic is True
+  assert fused.head_dims(128) and not fused.head_dims(192)
+  assert fused.unsupported == mosaic.unsupported
   triton = load_impl("ua_kernels.backends:triton_attention")
   assert not triton.unsupported
   assert set(triton.dtypes) == {"float32", "bfloat16", "float16"}
