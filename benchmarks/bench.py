@@ -153,6 +153,17 @@ def _fwd_bwd(f):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
+def _temp_mib(fn, args):
+  """The device memory (MiB) jitted ``fn`` takes beside its arguments and
+  outputs (XLA's memory analysis of its compiled program: the fused backward's
+  float32 dq, a peer's workspace), or None where the backend gives none."""
+  try:
+    analysis = fn.lower(*args).compile().memory_analysis()
+  except Exception:  # noqa: BLE001 -- a peer that failed to compile is reported by its time
+    return None
+  return None if analysis is None else analysis.temp_size_in_bytes / 2 ** 20
+
+
 def fwd_and_grad_times(fns, args, repeats, base):
   """{"fwd": ..., "fwd_bwd": ...} of jit(f) and _fwd_bwd(f) for each of ``fns``,
   timed round-robin (time_interleaved): milliseconds (a failure's repr), and
@@ -373,6 +384,10 @@ def _options(argv):
   parser.add_argument("--cases", default=None,
                       help="comma-separated parts of case names, e.g. 'T16384,D64 causal': run "
                            "only the set's configurations whose name holds one; default: all")
+  parser.add_argument("--memory", action="store_true",
+                      help="also each implementation's fwd+bwd program's device memory beside "
+                           "its arguments and outputs (XLA's memory analysis; one more compile "
+                           "each)")
   parser.add_argument("--impls", default=None,
                       help="comma-separated names of the implementations to time (as the "
                            "result rows name them), e.g. ua_kernels,jax.nn.dpa[cudnn],tokamax; "
@@ -428,7 +443,9 @@ def _configuration_rows(label, shape, options, wanted) -> list:
   if wanted is not None:
     impls = {name: fn for name, fn in impls.items() if name in wanted}
   fwd = time_interleaved({n: jax.jit(f) for n, f in impls.items()}, args, options.repeats)
-  bwd = time_interleaved({n: _fwd_bwd(f) for n, f in impls.items()}, args, options.repeats)
+  grads = {n: _fwd_bwd(f) for n, f in impls.items()}
+  bwd = time_interleaved(grads, args, options.repeats)
+  temp = {n: _temp_mib(g, args) for n, g in grads.items()} if options.memory else {}
   stats = jax.devices()[0].memory_stats() or {}
   rows = []
   for name in impls:
@@ -441,7 +458,8 @@ def _configuration_rows(label, shape, options, wanted) -> list:
                  "fwd_ms": fwd[name], "fwd_bwd_ms": bwd[name],
                  "fwd_tflops": flops / fwd[name] / 1e9,
                  "fwd_bwd_tflops": 3.5 * flops / bwd[name] / 1e9,
-                 "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2 ** 30})
+                 "peak_gib_so_far": stats.get("peak_bytes_in_use", 0) / 2 ** 30,
+                 **({"fwd_bwd_temp_mib": temp[name]} if name in temp else {})})
   flex_wanted = wanted is None or {"torch_flex", "torch_flex_tanh"} & wanted
   if not options.no_peers and flex_wanted and not window and not doc and hq == hkv:
     flex = torch_flex(b, t, hq, d, causal, cap, options.repeats, options.dtype)
