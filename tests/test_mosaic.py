@@ -105,10 +105,10 @@ def test_backward_lowers_for_cuda(shape_class):
     assert f"{kernel}{halves}_mosaic" in text
 
 
-# The fused backward (deterministic=False; head dims to 128): GQA under a causal mask; float16
-# with MQA, a window and a padded length (ds scaled per query for dq, per key for dk); a cap
-# whose ds is rounded without bias (tests/test_mosaic_interpret.py runs the same classes).
-FUSED_CLASSES = [SHAPE_CLASSES[i] for i in (1, 2, 6)]
+# The fused backward (deterministic=False; bfloat16, head dims to 128): GQA under a causal mask,
+# packed documents with temperature and a window on a padded length, a cap whose ds is rounded
+# without bias (tests/test_mosaic_interpret.py runs the same classes).
+FUSED_CLASSES = [SHAPE_CLASSES[i] for i in (1, 5, 6)]
 
 
 @pytest.mark.parametrize("shape_class", FUSED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
@@ -129,13 +129,14 @@ def test_the_fused_backward_lowers_for_cuda(shape_class):
 
 
 def test_the_fused_backward_runs_where_it_can():
-  """16-bit inputs at head dims up to 128 whose shared memory fits; elsewhere
-  the other kernels, whose reruns are bitwise identical anyway."""
+  """bfloat16 at head dims up to 128 whose shared memory fits; elsewhere the
+  other kernels, whose reruns are bitwise identical anyway; asked for where it
+  cannot run, mosaic.backward refuses by name."""
   spec = _spec()
   fused = functools.partial(backends_for, deterministic=False)
   assert fused(spec, MOSAIC, jnp.bfloat16) == ("mosaic", "mosaic_fused")
   assert backends_for(spec, MOSAIC, jnp.bfloat16) == ("mosaic", "mosaic")
-  assert fused(_spec(jnp.float16), MOSAIC, jnp.float16).backward == "mosaic_fused"
+  assert fused(_spec(jnp.float16), MOSAIC, jnp.float16).backward == "mosaic"
   assert fused(_spec(d=256), MOSAIC, jnp.bfloat16).backward == "mosaic"
   assert fused(spec, KernelConfig(backend="triton"), jnp.bfloat16).backward == "triton"
   three_stages = KernelConfig(backend="mosaic", mosaic=MosaicTiles(stages_bwd=3))
@@ -145,6 +146,44 @@ def test_the_fused_backward_runs_where_it_can():
   x = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
   with pytest.raises(TypeError, match="deterministic must be True or False"):
     ua_kernels.attention(x, x, x, deterministic=0)
+  rows = jnp.zeros((1, 2, 16), jnp.float32)
+  x128 = jnp.zeros((1, 16, 2, 128), jnp.bfloat16)
+  for inputs, tiles, match in ((x.astype(jnp.float16), MosaicTiles(), "float16"),
+                               (x128, MosaicTiles(stages_bwd=3), "shared memory")):
+    filled = effective_config(spec, jnp.bfloat16, KernelConfig(mosaic=tiles)).mosaic
+    with pytest.raises(ValueError, match=match):
+      mosaic_backward.backward(_spec(inputs.dtype, d=inputs.shape[-1]), filled, inputs, inputs,
+                               inputs, None, None, rows, rows, inputs, fast_cap=False, fused=True)
+
+
+def test_the_fused_backward_takes_vmap():
+  """jax.vmap of the gradient: the mapped axis folded into the batch
+  (mosaic.common.batch_folded), since the fused kernel's pl.run_state has no
+  batching rule; the folding itself against a plain vmap."""
+  from ua_kernels.mosaic.common import batch_folded
+
+  def f(a, b, c):
+    return a * b[:, None] + 1.0, c.sum(axis=1)
+
+  rng = np.random.default_rng(0)
+  a, c = (jnp.asarray(rng.normal(size=(3, 2, 4, 5))) for _ in range(2))
+  b = jnp.asarray(rng.normal(size=(2, 5)))
+  for got, want in zip(jax.vmap(batch_folded(f), in_axes=(0, None, 0))(a, b, c),
+                       jax.vmap(f, in_axes=(0, None, 0))(a, b, c)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert batch_folded(lambda x, none: (x + 1,))(a[0], None)[0].shape == a[0].shape
+  args, extra, options = _arguments(*FUSED_CLASSES[0])
+  config = dataclasses.replace(MOSAIC, interpret=False)
+
+  def loss(q, k, v):
+    out = ua_kernels.attention(q, k, v, config=config, deterministic=False, **options)
+    return jnp.sum(out.astype(jnp.float32))
+
+  q, k, v = args
+  mapped = lambda x: jax.ShapeDtypeStruct((3, *x.shape), x.dtype)
+  text = _lowered_text(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, 0, None)),
+                       (mapped(q), mapped(k), v), {})
+  assert "ua_backward_fused_mosaic_mosaic_gpu" in text or "new_body_mosaic_gpu" in text
 
 
 # Sinks: causal with GQA and a cap (whose 16-bit rounded row sum takes the sink too), and packed
@@ -488,6 +527,8 @@ def test_the_fused_backward_is_as_close_to_the_reference_as_triton(shape_class):
   as test_mosaic_gradients_are_as_close_to_the_reference_as_triton_ones holds
   the other kernels'."""
   (q, k, v), inputs, options = _gpu_inputs(shape_class)
+  spec = validate(q, k, v, **options, **inputs)[0]
+  assert backends_for(spec, MOSAIC, q.dtype, deterministic=False).backward == "mosaic_fused"
   _assert_gradients_as_close_as_triton(q, k, v, inputs, options, deterministic=False)
 
 

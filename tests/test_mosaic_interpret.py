@@ -357,7 +357,6 @@ def _compare_inputs(qkv, inputs, options, tiles, backward=True, out_reference=No
       _close(name, got, want, q.dtype)
 
 
-
 @pytest.fixture
 def tma_reduce_add(monkeypatch):
   """The interpreter lacks a TMA store's reduction (copy_smem_to_gmem's
@@ -398,15 +397,3 @@ def test_the_fused_backward_matches_triton_in_the_interpreters(shape_class, inte
                                                                tma_reduce_add):
   _compare(shape_class, MosaicTiles(), fused=True)
 
-
-def test_the_fused_float16_rows_rescaled_across_far_apart_tiles_match_triton(interpreter_gaps,
-                                                                           tma_reduce_add):
-  """The fused backward's dq shares, each scaled by its queries' own powers of
-  two (2^57 to 2^65 apart across the tiles) and scaled back before the add,
-  on test_float16_rows_rescaled_across_far_apart_tiles_match_triton's inputs
-  (an exponent off by one fails it)."""
-  qkv, inputs, options = _far_apart_tiles()
-  with jax.enable_x64(True):
-    out64 = np.asarray(ua_reference.attention(*(np.asarray(x, np.float64) for x in qkv),
-                                              **{**options, **inputs}))
-  _compare_inputs(qkv, inputs, options, MosaicTiles(), out_reference=out64, fused=True)

@@ -42,7 +42,7 @@ def mosaic_attention(q, k, v, *, sinks=None, config: KernelConfig | None = None,
 def fused_attention(q, k, v, *, sinks=None, config: KernelConfig | None = None, **kwargs):
   """mosaic_attention with ``deterministic=False``: the fused backward, which
   adds each key tile's share of dq into one float32 array in the order the
-  GPU's copies arrive (head dims up to 128)."""
+  GPU's copies arrive (bfloat16, head dims up to 128)."""
   return _forced("mosaic", q, k, v, config, dict(kwargs, sinks=sinks, deterministic=False))
 
 
@@ -63,7 +63,7 @@ mosaic_attention.ua_cap_forms = cap_forms.fast_forms
 # a declaration cannot say: the suite draws neither for it (docs/PLUGINS.md).
 mosaic_attention.ua_unsupported = ("kv_length", "q_offset", "kv_segment_ids")
 
-fused_attention.ua_dtypes = mosaic_attention.ua_dtypes
+fused_attention.ua_dtypes = ("bfloat16",)
 fused_attention.ua_head_dims = lambda d: d <= mosaic_backward.HALVES_ABOVE
 fused_attention.ua_block_sizes = mosaic_attention.ua_block_sizes
 fused_attention.ua_cap_forms = cap_forms.fast_forms

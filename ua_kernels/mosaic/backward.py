@@ -68,8 +68,8 @@ from ..segment_spans import tile_ranges
 from .backward_parts import (BackwardParams, dkv_scratch, dq_scratch, fused_scratch, HALVES_ABOVE,
                              tile_shapes)
 # What callers ask of the backward before they launch it (attention.backends_for, the tests).
-from .backward_parts import (MAX_HEAD_DIM, fused_unsupported, halves_shared_memory,  # noqa: F401
-                             unsupported)
+from .backward_parts import (MAX_HEAD_DIM, fused_unsupported,  # noqa: F401
+                             halves_shared_memory, unsupported)
 from .dq import dq_halves_kernel, dq_kernel
 from .dkv import dkv_dq_kernel, dkv_halves_kernel, dkv_kernel
 
@@ -83,6 +83,11 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, de
   benchmarks.breakdown times each on its own. ``fused``: one kernel,
   dkv.dkv_dq_kernel, in their place (backward_parts.fused_unsupported says
   where it runs; its dq is not bitwise reproducible)."""
+  if fused and (why := fused_unsupported(spec, q.dtype, tiles)):
+    raise ValueError(f"mosaic.backward(fused=True): {why}")
+  if fused and set(kernels) != {"dq", "dkv"}:
+    raise ValueError(f"mosaic.backward(fused=True) is one kernel; kernels={kernels!r} cannot "
+                     f"run a part of it")
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   dtype = q.dtype
@@ -110,6 +115,11 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, de
       # Tile ranges count tiles over the padded length; masks use spec's own
       # seq_len (visible_mask's padded flag hides the padding).
       dataclasses.replace(spec, seq_len=seq_pad, kv_seq_len=seq_pad), seq_pad != t, has_temp, fast_cap)
+  if fused:
+    call = common.batch_folded(functools.partial(_fused, spec, fast_cap, params(dkv_shape)))
+    with fast_math.native("mosaic"):
+      dq, dk, dv = call(q, k, v, dout, rows, seg, spans_dkv)
+    return dq[:, :t, :, :d].astype(dtype), dk[:, :t, :, :d], dv[:, :t, :, :d]
   # A halves program owns one tile (each warpgroup half its columns), a
   # program of the others two tiles (one per warpgroup).
   per_program = 1 if halves else 2
@@ -130,17 +140,6 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, de
       grid_names=("heads", "kv_tiles", "batch"),
       kernel_name="ua_backward_dkv_halves_mosaic" if halves else "ua_backward_dkv_mosaic",
   )
-  if fused:
-    fused_call = common.accumulating_call(
-        functools.partial(dkv_dq_kernel, params(dkv_shape)), spec=spec, fast_cap=fast_cap,
-        accumulator=jax.ShapeDtypeStruct((b, seq_pad, hq, head_dim), jnp.float32),
-        out_type=(jax.ShapeDtypeStruct(k.shape, dtype),) * 2,
-        scratch_types=fused_scratch(dkv_shape),
-        grid=(hkv, seq_pad // (2 * dkv_shape.block_kv), b),
-        grid_names=("heads", "kv_tiles", "batch"), kernel_name="ua_backward_fused_mosaic")
-    with fast_math.native("mosaic"):
-      dq, dk, dv = fused_call(q, k, v, dout, rows, seg, spans_dkv)
-    return dq[:, :t, :, :d].astype(dtype), dk[:, :t, :, :d], dv[:, :t, :, :d]
   dq = dk = dv = None
   with fast_math.native("mosaic"):
     if "dq" in kernels:
@@ -148,3 +147,19 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, de
     if "dkv" in kernels:
       dk, dv = (x[:, :t, :, :d] for x in dkv_call(q, k, v, dout, rows, seg, spans_dkv))
   return dq, dk, dv
+
+
+def _fused(spec: StaticSpec, fast_cap: bool, params: BackwardParams, q, k, *operands):
+  """(dq, dk, dv) of the padded inputs by the fused kernel (dkv.dkv_dq_kernel):
+  dkv_kernel's grid and outputs, and dq added up in a float32 array of q's
+  shape. Shapes come from the operands: under jax.vmap (common.batch_folded)
+  the batch holds the mapped axis too."""
+  b, seq_pad, hq, head_dim = q.shape
+  call = common.accumulating_call(
+      functools.partial(dkv_dq_kernel, params), spec=spec, fast_cap=fast_cap,
+      accumulator=jax.ShapeDtypeStruct((b, seq_pad, hq, head_dim), jnp.float32),
+      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
+      scratch_types=fused_scratch(params.shape),
+      grid=(k.shape[2], seq_pad // (2 * params.shape.block_kv), b),
+      grid_names=("heads", "kv_tiles", "batch"), kernel_name="ua_backward_fused_mosaic")
+  return call(q, k, *operands)

@@ -159,22 +159,28 @@ def dkv_scratch(shape: TileShape) -> list:
 def fused_scratch(shape: TileShape) -> list:
   """The shared memory of the fused kernel (dkv.dkv_dq_kernel): dkv_kernel's,
   then per compute warpgroup a ds tile [block_kv, block_q] in the inputs'
-  dtype and a float32 dq share [block_q, head_dim], both as wgmma and TMA
-  take them (128-byte swizzled rows), and the queries' float16 exponents."""
+  dtype, as wgmma reads it, and a float32 dq share [block_q, head_dim], as
+  wgmma's result is stored and TMA reads it (128-byte swizzled rows)."""
   plgpu = common.plgpu()
   f32_swizzled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
   return [*dkv_scratch(shape),
           plgpu.SMEM((2, shape.block_kv, shape.block_q), shape.dtype,
                      transforms=common.swizzled()),
-          plgpu.SMEM((2, shape.block_q, shape.head_dim), jnp.float32, transforms=f32_swizzled),
-          plgpu.SMEM((2, shape.block_q), jnp.int32)]
+          plgpu.SMEM((2, shape.block_q, shape.head_dim), jnp.float32, transforms=f32_swizzled)]
 
 
 def fused_unsupported(spec: StaticSpec, dtype, tiles: MosaicTiles) -> str | None:
   """Why the fused backward (deterministic=False) cannot run this call, where
-  the Mosaic backward can (None: it can). ``tiles`` filled."""
-  if why := common.dtype_error(dtype):
-    return why
+  the Mosaic backward can (None: it can). ``tiles`` filled. float16 would
+  scale each query's ds into its range (matmul_operand) for dq, dk's scale
+  being per key: a max down the columns of the keys-by-queries tile, across
+  warps, which Mosaic reduces through one shared-memory area that both compute
+  warpgroups would use at once. The shared memory counted here is the scratch
+  list's; Mosaic's lowering (tests/test_mosaic.py lowers the tuned tiles) also
+  places its own scratch and alignment."""
+  if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+    return (f"the fused backward takes bfloat16, not {jnp.dtype(dtype).name} (float16's "
+            f"per-query range scaling of ds for dq is not race-free there)")
   if spec.head_dim > HALVES_ABOVE:
     return f"the fused backward takes head dims up to {HALVES_ABOVE}, not {spec.head_dim}"
   _, shape = tile_shapes(tiles, dtype, common.padded_head_dim(spec.head_dim), num_rows=3,

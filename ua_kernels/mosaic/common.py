@@ -12,7 +12,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
-from jax import lax
+from jax import custom_batching, lax
 from jax.experimental import pallas as pl
 
 from ua_reference.contract import StaticSpec
@@ -248,6 +248,35 @@ def accumulating_call(body, *, spec: StaticSpec, fast_cap: bool, accumulator, ou
 
     zeros = lambda like: jnp.zeros(like.shape, like.dtype)
     return pl.run_state(stateful)((zeros(accumulator), *map(zeros, out_type)))
+
+  return call
+
+
+def batch_folded(fn):
+  """``fn(*operands)``, each operand (None allowed) and output batched along
+  axis 0, made to take jax.vmap by folding the mapped axis into that one
+  (operands not mapped are broadcast): pl.run_state, around the kernel of
+  accumulating_call, has no batching rule."""
+  def call(*operands):
+    absent = [i for i, x in enumerate(operands) if x is None]
+
+    def with_nones(*present):
+      xs = list(present)
+      for i in absent:
+        xs.insert(i, None)
+      return fn(*xs)
+
+    run = custom_batching.custom_vmap(with_nones)
+
+    @run.def_vmap
+    def _folded(axis_size, in_batched, *present):
+      present = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                 for x, batched in zip(present, in_batched)]
+      outs = run(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in present))
+      return (tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs),
+              (True,) * len(outs))
+
+    return run(*(x for x in operands if x is not None))
 
   return call
 

@@ -13,7 +13,7 @@ from . import common
 from .common import (RingCopy, load_vector, own_tiles, position_tiles, program_spans,
                      program_tiles, ring_slot, tile_logits, tile_span)
 from ..tile_math import (dither_bits, logits_grad, matmul_operand, probabilities, q_tiles,
-                         range_scaled, scaled_back, tile_loop, to_operand, unbiased_roundings)
+                         range_scaled, tile_loop, to_operand, unbiased_roundings)
 from .backward_parts import (BackwardParams, _accumulate, _gradient, _load_halves, _own_parts,
                              _query_rows, _ring_columns, _run_halves, _scores_pair, _store_halves,
                              _zero_gradient)
@@ -82,12 +82,12 @@ def _dkv_step(p: BackwardParams, ring: _QueryRing, k_own, v_own, part, seg_ref, 
                                   dither_bits(*grid, 0) if unbiased_p else None),
                    _ring_columns(ring.do_smem, s, part, shape.half), None)
   ds_t = logits_grad(p.spec, p_t, dp_t, delta_q, logits, temp_q, p.fast_cap)
-  bits = dither_bits(*grid, 1) if unbiased_ds else None
-  ds16, exponent = matmul_operand(ds_t, shape.dtype, axis=1, bits=bits)
+  ds16, exponent = matmul_operand(ds_t, shape.dtype, axis=1,
+                                  bits=dither_bits(*grid, 1) if unbiased_ds else None)
   dk = _accumulate(dk, ds16, _ring_columns(ring.q_smem, s, part, shape.half), exponent)
   plgpu.barrier_arrive(ring.q_free.at[s])  # the step's Q and dO are read; ds K needs neither
   if share is not None:
-    share.send(p, ds_t if range_scaled(shape.dtype) else ds16, bits, k_own, bi, q_start, g)
+    share.send(p, ds16, k_own, bi, q_start, g)
   return dk, dv
 
 
@@ -101,29 +101,23 @@ def _group_steps(p: BackwardParams, step):
 
 class _DqShare(NamedTuple):
   """The fused kernel's dq: the float32 accumulator [B, T, Hq, D] in global
-  memory, and one compute warpgroup's ds tile ([block_kv, block_q], 16-bit),
-  dq share ([block_q, D], float32) and, for float16, the queries' exponents
-  ([block_q], int32) in shared memory."""
+  memory, and one compute warpgroup's ds tile ([block_kv, block_q], 16-bit)
+  and dq share ([block_q, D], float32) in shared memory."""
   dq_ref: Any
   kv_head: Any
   ds_smem: Any
   out_smem: Any
-  exponent_smem: Any
 
-  def send(self, p: BackwardParams, ds, bits, k_own, bi, q_start, g):
-    """dq[the step's queries, head g of the group] += ds K. ``ds``: the
-    16-bit operand of dk's product, or for float16 the float32 tile, scaled
-    here per query (matmul_operand along the keys; dk's is per key). ds goes
-    through shared memory, where wgmma reads it transposed (its rows, the
-    keys, are the product's inner dimension); the share is added into global
-    memory by a TMA reduce-add, in whatever order other programs' copies
-    arrive."""
+  def send(self, p: BackwardParams, ds16, k_own, bi, q_start, g):
+    """dq[the step's queries, head g of the group] += ds K, ``ds16`` the
+    operand of dk's product (bfloat16: not range-scaled, so the same operand
+    serves both). It goes through shared memory, where wgmma reads it
+    transposed (its rows, the keys, are the product's inner dimension); the
+    share is added into global memory by a TMA reduce-add, in whatever order
+    other programs' copies arrive."""
     plgpu = common.plgpu()
-    exponent = None
-    if range_scaled(p.shape.dtype):
-      ds, exponent = matmul_operand(ds, p.shape.dtype, axis=0, bits=bits)
     bq = p.shape.block_q
-    self.ds_smem[...] = ds
+    self.ds_smem[...] = ds16
     plgpu.commit_smem()
 
     def product(acc):
@@ -131,10 +125,6 @@ class _DqShare(NamedTuple):
       return acc[...]
 
     share = pl.run_scoped(product, plgpu.ACC((bq, p.shape.head_dim), jnp.float32))
-    if exponent is not None:  # per query: from the ds tile's columns to the share's rows
-      self.exponent_smem[...] = exponent
-      plgpu.commit_smem()
-      share = scaled_back(share, load_vector(self.exponent_smem, plgpu.Layout.WGMMA.reduce(1)))
     dq_rows = self.dq_ref.at[bi, pl.ds(q_start, bq), self.kv_head * p.group + g]
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left out_smem
     self.out_smem[...] = share
@@ -157,9 +147,9 @@ def dkv_dq_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_
   into ``dq_ref``, a zeroed float32 [B, T, Hq, D] (_DqShare): five tile
   products a step where the dq and dk/dv kernels take seven, dq's sums in the
   order the hardware takes (fused_scratch has the two extra buffers)."""
-  *scratch, ds_smem2, out_smem2, exponent_smem2 = scratch
+  *scratch, ds_smem2, out_smem2 = scratch
   _dkv_program(p, (q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref), dk_ref, dv_ref,
-               scratch, (dq_ref, ds_smem2, out_smem2, exponent_smem2))
+               scratch, (dq_ref, ds_smem2, out_smem2))
 
 
 def _dkv_program(p: BackwardParams, refs, dk_ref, dv_ref, scratch, dq):
