@@ -41,6 +41,16 @@ ranges q_tiles/kv_tiles (with segment ids, within the spans of the tile's
 documents, and inside its run of one id masked by position only, or not at
 all inside the band too).
 
+The fused kernel (``fused``, ua_kernels.attention(deterministic=False);
+dkv.dkv_dq_kernel) is dkv_kernel's program whose steps also compute dq's
+share, ds K, from the ds tile they already hold (through shared memory, read
+transposed by wgmma) and add it into a zeroed float32 dq in global memory by a
+TMA reduce-add: five tile products a step, not the two kernels' seven, and dq's
+sums in the order the copies arrive. Each share is block_q x D float32, so the
+adds move 4 D T^2 / block_kv bytes per head (about 32 GB at T = 16k, 16 heads,
+D = 128 and 64-key tiles), against the L2. bfloat16 only: float16's per-query
+range scaling would need a max across warps (backward_parts.fused_unsupported).
+
 Head dims above 128 (up to 256, padded to 256): one warpgroup's dk and dv of
 64 keys (or dq of 64 rows) would need 256 registers per thread, so
 dq_halves_kernel and dkv_halves_kernel give a program one tile and each compute
