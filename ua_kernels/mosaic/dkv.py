@@ -147,6 +147,8 @@ def dkv_dq_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_
   into ``dq_ref``, a zeroed float32 [B, T, Hq, D] (_DqShare): five tile
   products a step where the dq and dk/dv kernels take seven, dq's sums in the
   order the hardware takes (fused_scratch has the two extra buffers)."""
+  if range_scaled(p.shape.dtype):  # dk's ds operand is scaled per key: not dq's
+    raise ValueError("the fused backward takes bfloat16 (backward_parts.fused_unsupported)")
   *scratch, ds_smem2, out_smem2 = scratch
   _dkv_program(p, (q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref), dk_ref, dv_ref,
                scratch, (dq_ref, ds_smem2, out_smem2))
