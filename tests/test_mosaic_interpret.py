@@ -8,7 +8,9 @@ It lacks three things the kernels use, which the ``interpreter_gaps`` fixture
 supplies for these tests only, computing the same products in registers:
 ``pl.run_state`` over an initialised wgmma accumulator, a wgmma operand in
 registers (p and ds), and a store into an accumulator (the overlapped
-forward's). CI's jax 0.10 has no such interpreter and skips them.
+forward's). The fused backward's TMA reduce-add, which it lacks too, the
+``tma_reduce_add`` fixture supplies. CI's jax 0.10 has no such interpreter and
+skips them.
 """
 
 import dataclasses
