@@ -184,6 +184,20 @@ def tile_span(ranges_ref, batch, tile):
           (ranges_ref[batch, tile, 2], ranges_ref[batch, tile, 3]))
 
 
+def _skipping_nones(fn, operands):
+  """(the operands that are not None, ``fn`` of those and any arguments after
+  them, which receives None in the others' places)."""
+  absent = [i for i, x in enumerate(operands) if x is None]
+
+  def with_nones(*present):
+    xs = list(present)
+    for i in absent:
+      xs.insert(i, None)
+    return fn(*xs)
+
+  return [x for x in operands if x is not None], with_nones
+
+
 def kernel_call(body, **kernel_args):
   """plgpu.kernel(body, **kernel_args) as a function of operands of which
   some may be None (no segment ids, no temperature): those are left out of
@@ -191,27 +205,24 @@ def kernel_call(body, **kernel_args):
   absent input passed as zeros would be a broadcast XLA materialises before
   every call (docs/HISTORY.md, "The contract's options at speed")."""
   def call(*operands):
-    absent = [i for i, x in enumerate(operands) if x is None]
-
-    def with_nones(*refs):
-      refs = list(refs)
-      for i in absent:
-        refs.insert(i, None)
-      body(*refs)
-
-    return plgpu().kernel(with_nones, **kernel_args)(*(x for x in operands if x is not None))
+    present, with_nones = _skipping_nones(body, operands)
+    return plgpu().kernel(with_nones, **kernel_args)(*present)
 
   return call
+
+
+def _compiler_params(spec: StaticSpec, fast_cap: bool):
+  """The warp-specialised kernels' compiler parameters (cap_forms.approx_math)."""
+  mgpu = plgpu()
+  return mgpu.CompilerParams(approx_math=approx_math(spec, fast_cap),
+                             lowering_semantics=mgpu.LoweringSemantics.Warpgroup)
 
 
 def warp_specialized_call(body, *, spec: StaticSpec, fast_cap: bool, **kernel_args):
   """kernel_call of a body whose warpgroups 0 and 1 compute and 2 copies
   (thread axis "wg"), with the kernels' compiler parameters (cap_forms.approx_math)."""
-  mgpu = plgpu()
-  params = mgpu.CompilerParams(approx_math=approx_math(spec, fast_cap),
-                               lowering_semantics=mgpu.LoweringSemantics.Warpgroup)
-  return kernel_call(body, num_threads=3, thread_name="wg", compiler_params=params,
-                     **kernel_args)
+  return kernel_call(body, num_threads=3, thread_name="wg",
+                     compiler_params=_compiler_params(spec, fast_cap), **kernel_args)
 
 
 def accumulating_call(body, *, spec: StaticSpec, fast_cap: bool, accumulator, out_type,
@@ -224,25 +235,20 @@ def accumulating_call(body, *, spec: StaticSpec, fast_cap: bool, accumulator, ou
   there has no discharge rule through custom_jvp). plgpu.kernel's batching
   wrapper rejects a ref under jax 0.10, so the mesh is built here as
   plgpu.kernel builds it."""
-  mgpu = plgpu()
-  params = mgpu.CompilerParams(approx_math=approx_math(spec, fast_cap),
-                               lowering_semantics=mgpu.LoweringSemantics.Warpgroup)
-  mesh = mgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg",
-                   kernel_name=kernel_name)
+  mesh = plgpu().Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg",
+                      kernel_name=kernel_name)
+
+  def scoped(*refs):
+    pl.run_scoped(functools.partial(body, *refs), *scratch_types, collective_axes="wg")
 
   def call(*operands):
-    absent = [i for i, x in enumerate(operands) if x is None]
-
-    def with_nones(*refs):
-      refs = list(refs)
-      for i in absent:
-        refs.insert(i, None)
-      pl.run_scoped(functools.partial(body, *refs), *scratch_types, collective_axes="wg")
+    present, with_nones = _skipping_nones(scoped, operands)
 
     def stateful(refs):
       total, *out_refs = refs
-      outs = pl.kernel(with_nones, out_type=out_type, mesh=mesh, compiler_params=params,
-                       name=kernel_name)(*(x for x in operands if x is not None), total)
+      outs = pl.kernel(with_nones, out_type=out_type, mesh=mesh,
+                       compiler_params=_compiler_params(spec, fast_cap),
+                       name=kernel_name)(*present, total)
       for ref, out in zip(out_refs, outs):
         ref[...] = out
 
@@ -258,14 +264,7 @@ def batch_folded(fn):
   (operands not mapped are broadcast): pl.run_state, around the kernel of
   accumulating_call, has no batching rule."""
   def call(*operands):
-    absent = [i for i, x in enumerate(operands) if x is None]
-
-    def with_nones(*present):
-      xs = list(present)
-      for i in absent:
-        xs.insert(i, None)
-      return fn(*xs)
-
+    present, with_nones = _skipping_nones(fn, operands)
     run = custom_batching.custom_vmap(with_nones)
 
     @run.def_vmap
@@ -276,7 +275,7 @@ def batch_folded(fn):
       return (tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs),
               (True,) * len(outs))
 
-    return run(*(x for x in operands if x is not None))
+    return run(*present)
 
   return call
 
