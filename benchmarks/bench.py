@@ -33,6 +33,7 @@ import numpy as np
 
 import ua_kernels
 from properties.peers.impls import PALLAS_MHA_TILES
+from ua_kernels import KernelConfig, MosaicTiles
 from ua_kernels.attention import backends_for
 from ua_kernels.backends import triton_attention
 from ua_kernels.tuned_configs import default_config
@@ -396,7 +397,8 @@ def _options(argv):
   if options.repeats < 1:
     parser.error(f"--repeats must be at least 1, got {options.repeats}")
   wanted = None if options.impls is None else set(options.impls.split(","))
-  known = {"ua_kernels", "ua_kernels[fused]", "ua_kernels[triton]", *PEER_CONFIGS}
+  known = {"ua_kernels", "ua_kernels[fused]", "ua_kernels[ordered]", "ua_kernels[triton]",
+           *PEER_CONFIGS}
   if wanted is not None and (not wanted or wanted - known):
     parser.error(f"--impls names unknown implementations {sorted(wanted - known)}; "
                  f"known: {sorted(known)}")
@@ -425,16 +427,23 @@ def _configuration_rows(label, shape, options, wanted) -> list:
   # Segment ids, where there are any, are a fourth argument (the peers run
   # only configurations without them).
   static = {key: value for key, value in kw.items() if key != "segment_ids"}
+  # The deterministic backward as the fused kernel with ordered adds, where it runs.
+  ordered = KernelConfig(mosaic=MosaicTiles(ordered_fused=True))
   impls = {name: functools.partial(_with_runtime_options, fn, **static)
            for name, fn in (("ua_kernels", ua_kernels.attention),
                             ("ua_kernels[fused]", functools.partial(ua_kernels.attention,
                                                                     deterministic=False)),
+                            ("ua_kernels[ordered]", functools.partial(ua_kernels.attention,
+                                                                      config=ordered)),
                             ("ua_kernels[triton]", triton_attention))}
   args = (q, k, v) + ((seg,) if doc else ())
   configs = {"ua_kernels": {**dataclasses.asdict(config),
                             **backends_for(spec, config, q.dtype)._asdict()},
              "ua_kernels[fused]": {**dataclasses.asdict(config), **backends_for(
                  spec, config, q.dtype, deterministic=False)._asdict()},
+             "ua_kernels[ordered]": {**dataclasses.asdict(dataclasses.replace(
+                 config, mosaic=dataclasses.replace(config.mosaic, ordered_fused=True))),
+                 **backends_for(spec, ordered, q.dtype)._asdict()},
              "ua_kernels[triton]": {**dataclasses.asdict(config), "forward": "triton",
                                     "backward": "triton"},
              **PEER_CONFIGS}

@@ -233,7 +233,8 @@ MUTANTS = [
     # --- the fused backward's dq (ua_kernels.backends:fused_attention on Hopper; docs/MUTATION.md,
     # "A race") ------------------------------------------------------------------------------
     Mutant("R1", "ua_kernels/mosaic/dkv.py",
-           "    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left "
+           "    if self.order is None:\n"
+           "      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left "
            "out_smem\n", "",
            "the fused backward's dq share written over the last one before its TMA add has "
            "read it: a key tile's share lost or mixed only where the copy engine lags the "

@@ -93,7 +93,7 @@ def test_a_full_config_is_kept_as_it_is():
   spec = _spec(128, jnp.bfloat16, {})
   full = KernelConfig(32, 16, 16, 32, 32, 16, num_warps=2, num_stages=1, num_warps_bwd=4,
                       num_stages_bwd=2, kv_splits=1, pack_gqa=False, backend="triton",
-                      mosaic=MosaicTiles(128, 64, 3, 128, 64, 128, 64, 3, False, True))
+                      mosaic=MosaicTiles(128, 64, 3, 128, 64, 128, 64, 3, False, True, False))
   assert not full.unset()
   assert effective_config(spec, jnp.bfloat16, full) is full
 
@@ -144,7 +144,8 @@ def test_unset_fields_are_none_and_validated_when_set():
       f"mosaic.{f.name}" for f in dataclasses.fields(MosaicTiles))
   assert MosaicTiles(block_q=128).unset() == ("block_kv", "stages", "block_q_dq", "block_kv_dq",
                                               "block_q_dkv", "block_kv_dkv", "stages_bwd",
-                                              "persistent", "overlap_softmax")
+                                              "persistent", "overlap_softmax",
+                                              "ordered_fused")
   with pytest.raises(ValueError, match="MosaicTiles.persistent"):
     MosaicTiles(persistent=1)
   with pytest.raises(ValueError, match="MosaicTiles.overlap_softmax"):

@@ -10,6 +10,7 @@ dtype, shape, layout or shared-memory error of the kernel fails here.
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -105,27 +106,37 @@ def test_backward_lowers_for_cuda(shape_class):
     assert f"{kernel}{halves}_mosaic" in text
 
 
-# The fused backward (deterministic=False; bfloat16, head dims to 128): GQA under a causal mask,
+# The fused backward (deterministic=False, or ordered; bfloat16, head dims to 128): GQA under a causal mask,
 # packed documents with temperature and a window on a padded length, a cap whose ds is rounded
 # without bias (tests/test_mosaic_interpret.py runs the same classes).
 FUSED_CLASSES = [SHAPE_CLASSES[i] for i in (1, 5, 6)]
+# The deterministic backward as the fused kernel, its adds in key-tile order.
+ORDERED = KernelConfig(backend="mosaic", mosaic=MosaicTiles(ordered_fused=True))
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["any-order", "ordered"])
 @pytest.mark.parametrize("shape_class", FUSED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
-def test_the_fused_backward_lowers_for_cuda(shape_class):
-  """deterministic=False: the gradient is one Mosaic kernel, dkv_dq_kernel, in
-  place of the dq and dk/dv kernels (jax 0.10 names a kernel that takes a ref
-  new_body, not its kernel_name)."""
+def test_the_fused_backward_lowers_for_cuda(shape_class, ordered):
+  """deterministic=False, or MosaicTiles.ordered_fused: the gradient is one
+  Mosaic kernel, dkv_dq_kernel, in place of the dq and dk/dv kernels (jax 0.10
+  names a kernel that takes a ref new_body, not its kernel_name); ordered, its
+  turns are semaphores in global memory."""
   args, extra, options = _arguments(*shape_class)
-  config = dataclasses.replace(MOSAIC, interpret=False)
+  config = dataclasses.replace(ORDERED if ordered else MOSAIC, interpret=False)
 
   def loss(q, k, v, **extra):
-    out = ua_kernels.attention(q, k, v, config=config, deterministic=False, **options, **extra)
+    out = ua_kernels.attention(q, k, v, config=config, deterministic=ordered, **options,
+                               **extra)
     return jnp.sum(out.astype(jnp.float32))
 
   text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), args, extra)
-  assert "ua_backward_fused_mosaic_mosaic_gpu" in text or "new_body_mosaic_gpu" in text
+  name = "ua_backward_fused_ordered_mosaic" if ordered else "ua_backward_fused_mosaic"
+  assert f"{name}_mosaic_gpu" in text or "new_body_mosaic_gpu" in text
   assert "ua_backward_dq_mosaic" not in text and "ua_backward_dkv_mosaic" not in text
+  # The forward's two results, and dq, dk, dv of the fused kernel and, ordered, its counters.
+  results = sorted(int(n) for n in re.findall(r"%\d+:(\d+) = stablehlo.custom_call @mosaic_gpu",
+                                              text))
+  assert results == [2, 4 if ordered else 3], results
 
 
 def test_the_fused_backward_runs_where_it_can():
@@ -143,9 +154,14 @@ def test_the_fused_backward_runs_where_it_can():
   tiles = effective_config(spec, jnp.bfloat16, three_stages).mosaic
   assert "shared memory" in mosaic_backward.fused_unsupported(spec, jnp.bfloat16, tiles)
   assert fused(spec, three_stages, jnp.bfloat16).backward == "mosaic"
+  assert backends_for(spec, ORDERED, jnp.bfloat16) == ("mosaic", "mosaic_fused_ordered")
+  assert fused(spec, ORDERED, jnp.bfloat16).backward == "mosaic_fused"
+  assert backends_for(_spec(jnp.float16), ORDERED, jnp.float16).backward == "mosaic"
   x = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
   with pytest.raises(TypeError, match="deterministic must be True or False"):
     ua_kernels.attention(x, x, x, deterministic=0)
+  with pytest.raises(ValueError, match="ordered_fused must be a bool"):
+    MosaicTiles(ordered_fused=1)
   rows = jnp.zeros((1, 2, 16), jnp.float32)
   x128 = jnp.zeros((1, 16, 2, 128), jnp.bfloat16)
   for inputs, tiles, match in ((x.astype(jnp.float16), MosaicTiles(), "float16"),
@@ -154,6 +170,9 @@ def test_the_fused_backward_runs_where_it_can():
     with pytest.raises(ValueError, match=match):
       mosaic_backward.backward(_spec(inputs.dtype, d=inputs.shape[-1]), filled, inputs, inputs,
                                inputs, None, None, rows, rows, inputs, fast_cap=False, fused=True)
+  with pytest.raises(ValueError, match="needs fused=True"):
+    mosaic_backward.backward(spec, filled, x, x, x, None, None, rows, rows, x, fast_cap=False,
+                             ordered=True)
 
 
 def test_the_fused_backward_takes_vmap():
@@ -532,6 +551,30 @@ def test_the_fused_backward_is_as_close_to_the_reference_as_triton(shape_class):
   _assert_gradients_as_close_as_triton(q, k, v, inputs, options, deterministic=False)
 
 
+@pytest.mark.skipif(not _is_hopper(), reason="the Mosaic kernel runs on Hopper (sm90) only")
+@pytest.mark.parametrize("shape_class", FUSED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_the_ordered_fused_backward_is_bitwise_reproducible(shape_class):
+  """Compiled on Hopper, MosaicTiles.ordered_fused: two runs' gradients
+  bitwise identical, and as close to the reference as
+  test_the_fused_backward_is_as_close_to_the_reference_as_triton holds the
+  unordered one's."""
+  (q, k, v), inputs, options = _gpu_inputs(shape_class)
+  spec = validate(q, k, v, **options, **inputs)[0]
+  assert backends_for(spec, ORDERED, q.dtype).backward == "mosaic_fused_ordered"
+  ordered = functools.partial(ua_kernels.attention, config=ORDERED)
+  first, second = (_gradients(ordered, q, k, v, inputs, options) for _ in range(2))
+  for name, a, b in zip(("dq", "dk", "dv"), first, second):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  import ua_reference
+  reference = _gradients(ua_reference.attention, *(x.astype(jnp.float32) for x in (q, k, v)),
+                         inputs, options)
+  triton = _gradients(functools.partial(ua_kernels.attention,
+                                        config=KernelConfig(backend="triton")),
+                      q, k, v, inputs, options)
+  for name, m, t, r in zip(("dq", "dk", "dv"), first, triton, reference):
+    _assert_as_close_as_triton(name, m, t, r, q.dtype)
+
+
 def _assert_as_close_as_triton(name, mosaic, triton, reference, dtype):
   """The Mosaic result's largest error against ``reference`` within twice the
   Triton one's plus one rounding of ``dtype`` at the reference's scale."""
@@ -592,6 +635,8 @@ def test_backend_implementations_declare_what_they_run():
   assert fused.deterministic is False and mosaic.deterministic is True
   assert fused.head_dims(128) and not fused.head_dims(192)
   assert fused.unsupported == mosaic.unsupported
+  ordered = load_impl("ua_kernels.backends:ordered_attention")
+  assert ordered.deterministic is True and ordered.dtypes == fused.dtypes
   triton = load_impl("ua_kernels.backends:triton_attention")
   assert not triton.unsupported
   assert set(triton.dtypes) == {"float32", "bfloat16", "float16"}

@@ -273,8 +273,8 @@ def test_the_forward_of_other_keys_matches_triton_in_the_interpreters(shape_clas
     assert np.all(np.asarray(shift[:, :, :hidden]) == -np.inf)
 
 
-def _compare(shape_class, tiles, backward=True, fused=False):
-  _compare_inputs(*_gpu_inputs(shape_class), tiles, backward, fused=fused)
+def _compare(shape_class, tiles, backward=True, fused=False, ordered=False):
+  _compare_inputs(*_gpu_inputs(shape_class), tiles, backward, fused=fused, ordered=ordered)
 
 
 def _far_apart_tiles():
@@ -324,7 +324,7 @@ def _no_worse_than(name, got, other, reference, dtype):
 
 
 def _compare_inputs(qkv, inputs, options, tiles, backward=True, out_reference=None,
-                    fused=False):
+                    fused=False, ordered=False):
   q, k, v = qkv
   spec, seg, temp = validate(q, k, v, **options, **inputs)
   temp = None if temp is None else temp.astype(jnp.float32)
@@ -346,7 +346,7 @@ def _compare_inputs(qkv, inputs, options, tiles, backward=True, out_reference=No
     if backward and mosaic_backward.unsupported(spec, q.dtype) is None:
       delta = attention_module._delta(spec, out, dout, lse2, dlse)
       grads_m = mosaic_backward.backward(spec, tiles, q, k, v, seg, temp, shift, delta, dout,
-                                         fast_cap=fast_cap, fused=fused)
+                                         fast_cap=fast_cap, fused=fused, ordered=ordered)
     else:
       grads_m = None
   if out_reference is None:
@@ -394,8 +394,83 @@ def tma_reduce_add(monkeypatch):
   monkeypatch.setattr(gpu_callbacks, "AsyncCopySmemToGmemTask", AddingTask)
 
 
+@pytest.fixture
+def turn_counters(monkeypatch):
+  """The interpreter lacks semaphores, which the ordered fused backward's turns
+  take (pl.get_global, pl.semaphore_wait and _signal): supplied here as
+  counters on the host, a wait blocking its warpgroup's thread until its turn
+  (the interpreter runs a program's warpgroups as threads and its programs one
+  after another, in the grid's order). Yields (counts, faults): the turns
+  taken per (batch, head, query tile), and what went wrong: a signal from a
+  rank whose turn it was not, or a turn that did not come within 20 s (a
+  deadlock on the GPU; the waits go on without blocking after it). Faults are
+  recorded, not raised: an exception in a warpgroup's thread would leave the
+  others waiting on its barriers."""
+  from jax.experimental import io_callback
+  counts, faults, changed = {}, [], threading.Condition()
+
+  class View:
+    def __init__(self, index):
+      self.index, self.rank = index, None
+
+  class Counters:
+    at = type("At", (), {"__getitem__": lambda self, index: View(index)})()
+
+  def wait(value, *index):
+    key = tuple(int(i) for i in index)
+    with changed:
+      if faults or changed.wait_for(lambda: counts.get(key, 0) >= int(value), timeout=20):
+        return
+      faults.append(f"turn {int(value)} of counter {key} never came "
+                    f"({counts.get(key, 0)} turns taken)")
+
+  def signal(rank, *index):
+    key = tuple(int(i) for i in index)
+    with changed:
+      if counts.get(key, 0) != int(rank):
+        faults.append(f"rank {int(rank)} signalled counter {key} at {counts.get(key, 0)}")
+      counts[key] = counts.get(key, 0) + 1
+      changed.notify_all()
+
+  def semaphore_wait(view, value, *, decrement=True):
+    assert not decrement
+    view.rank = value
+    io_callback(wait, None, value, *view.index)
+
+  def semaphore_signal(view, inc=1):
+    assert inc == 1 and view.rank is not None, "a signal before its turn's wait"
+    io_callback(signal, None, view.rank, *view.index)
+
+  monkeypatch.setattr(pl, "get_global", lambda what: Counters())
+  monkeypatch.setattr(pl, "semaphore_wait", semaphore_wait)
+  monkeypatch.setattr(pl, "semaphore_signal", semaphore_signal)
+  yield counts, faults
+
+
 @pytest.mark.parametrize("shape_class", FUSED_CLASSES, ids=lambda c: f"T{c[1]}-D{c[4]}")
 def test_the_fused_backward_matches_triton_in_the_interpreters(shape_class, interpreter_gaps,
                                                                tma_reduce_add):
   _compare(shape_class, MosaicTiles(), fused=True)
+
+
+@pytest.mark.parametrize("shape_class", FUSED_CLASSES[:2], ids=lambda c: f"T{c[1]}-D{c[4]}")
+def test_the_ordered_fused_backward_takes_every_turn_in_order(shape_class, interpreter_gaps,
+                                                              tma_reduce_add, turn_counters):
+  """MosaicTiles.ordered_fused: its gradients as the unordered one's, each
+  counter's turns taken by ranks 0, 1, 2, ... in that order (turn_counters),
+  and every one of the kernel's 2 x (key tiles) compute warpgroups of a head
+  taking every turn of its query tiles."""
+  (q, k, v), inputs, options = _gpu_inputs(shape_class)
+  counts, faults = turn_counters
+  _compare(shape_class, MosaicTiles(), fused=True, ordered=True)
+  assert not faults, faults[:5]
+  tiles = effective_config(validate(q, k, v, **options, **inputs)[0], q.dtype,
+                           KernelConfig()).mosaic
+  b, t, hq, _ = q.shape
+  seq_pad = mosaic_common.padded_length(t, 2 * tiles.block_q_dq, tiles.block_kv_dq,
+                                        tiles.block_q_dkv, 2 * tiles.block_kv_dkv)
+  ranks = seq_pad // tiles.block_kv_dkv
+  want = {(bi, h, qt): ranks for bi in range(b) for h in range(hq)
+          for qt in range(seq_pad // tiles.block_q_dkv)}
+  assert counts == want
 

@@ -44,7 +44,9 @@ def _is_hopper() -> bool:
 class Backends(NamedTuple):
   """The kernels of one call: "mosaic" or "triton" for its forward, and for its
   backward "mosaic", "mosaic_fused" (one kernel, dq added up across key tiles
-  in the order the hardware takes: deterministic=False) or "triton". Decided
+  in the order the hardware takes: deterministic=False), "mosaic_fused_ordered"
+  (one kernel, dq's adds in key-tile order: MosaicTiles.ordered_fused) or
+  "triton". Decided
   once (backends_for), before the trace, and carried as a static argument, so
   that the forward and the backward cannot disagree."""
 
@@ -90,17 +92,18 @@ def backends_for(spec: StaticSpec, config: KernelConfig | None, dtype,
   their own ids). The backward runs on the forward's backend where that
   backend's backward supports the call (the Mosaic one: the queries' own keys,
   head dims up to 256, above 128 with tiles whose shared memory fits;
-  mosaic.backward.unsupported), else on Triton; not ``deterministic``, the
-  fused Mosaic backward where it runs (mosaic.backward.fused_unsupported), the
-  others where not (their reruns are bitwise identical anyway). ``config`` as
-  given or effective: its unset tiles are the table's here too."""
+  mosaic.backward.unsupported), else on Triton; the fused Mosaic backward
+  where it runs (mosaic.backward.fused_unsupported) when not ``deterministic``,
+  or deterministic with MosaicTiles.ordered_fused; the others where not (their
+  reruns are bitwise identical anyway). ``config`` as given or effective: its
+  unset tiles are the table's here too."""
   config = effective_config(spec, dtype, config)
   forward = _forward_backend(spec, config, dtype, block_keys)
   backward = ("mosaic" if forward == "mosaic" and not _other_keys(spec, block_keys)
               and mosaic_backward.unsupported(spec, dtype, config.mosaic) is None else "triton")
-  if (backward == "mosaic" and not deterministic
+  if (backward == "mosaic" and (not deterministic or config.mosaic.ordered_fused)
       and mosaic_backward.fused_unsupported(spec, dtype, config.mosaic) is None):
-    backward = "mosaic_fused"
+    backward = "mosaic_fused" if not deterministic else "mosaic_fused_ordered"
   return Backends(forward, backward)
 
 
@@ -150,9 +153,10 @@ def _backward(spec: StaticSpec, config: KernelConfig, backends: Backends, q, k, 
   if delta is None:
     delta = _delta(spec, out, dout, _lse2(spec, temp, shift, low), dlse)
   fast_cap = cap_forms.fast_cap(spec, q.dtype)
-  if backends.backward in ("mosaic", "mosaic_fused"):
+  if backends.backward.startswith("mosaic"):
     return mosaic_backward.backward(spec, config.mosaic, q, k, v, seg, temp, shift, delta, dout,
-                                    fast_cap=fast_cap, fused=backends.backward == "mosaic_fused")
+                                    fast_cap=fast_cap, fused=backends.backward != "mosaic",
+                                    ordered=backends.backward == "mosaic_fused_ordered")
   return triton_launch.backward(spec, config, q, k, v, seg, temp, shift, low, delta, dout, keys,
                                 fast_cap=fast_cap)
 

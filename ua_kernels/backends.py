@@ -46,6 +46,18 @@ def fused_attention(q, k, v, *, sinks=None, config: KernelConfig | None = None, 
   return _forced("mosaic", q, k, v, config, dict(kwargs, sinks=sinks, deterministic=False))
 
 
+def ordered_attention(q, k, v, *, sinks=None, config: KernelConfig | None = None, **kwargs):
+  """mosaic_attention with the deterministic backward as the fused kernel
+  (MosaicTiles.ordered_fused): each dq tile's shares added in the order of
+  their key tiles (bfloat16, head dims up to 128)."""
+  config = KernelConfig() if config is None else config
+  if not isinstance(config, KernelConfig):
+    raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
+  config = dataclasses.replace(config, mosaic=dataclasses.replace(config.mosaic,
+                                                                  ordered_fused=True))
+  return _forced("mosaic", q, k, v, config, dict(kwargs, sinks=sinks, deterministic=True))
+
+
 def triton_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):
   """ua_kernels.attention with every kernel on Pallas-Triton (any GPU, float32,
   and the CPU interpreter)."""
@@ -69,6 +81,10 @@ fused_attention.ua_block_sizes = mosaic_attention.ua_block_sizes
 fused_attention.ua_cap_forms = cap_forms.fast_forms
 fused_attention.ua_unsupported = mosaic_attention.ua_unsupported
 fused_attention.ua_deterministic = False
+
+for _name in ("ua_dtypes", "ua_head_dims", "ua_block_sizes", "ua_cap_forms", "ua_unsupported"):
+  setattr(ordered_attention, _name, getattr(fused_attention, _name))
+ordered_attention.ua_deterministic = True  # bitwise-identical reruns, held to them
 
 # It takes every keyword of the op it forces (the suite reads a callable's signature
 # for the keywords of Tq != Tk, offsets and sinks; docs/PLUGINS.md).

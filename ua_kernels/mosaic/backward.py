@@ -85,14 +85,17 @@ from .dkv import dkv_dq_kernel, dkv_halves_kernel, dkv_kernel
 
 
 def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, delta, dout, *,
-             fast_cap: bool, kernels=("dq", "dkv"), fused: bool = False):
+             fast_cap: bool, kernels=("dq", "dkv"), fused: bool = False, ordered: bool = False):
   """(dq, dk, dv) of the unpadded inputs. ``shift`` [B, Hq, T] is the forward's
   row statistic (SoftmaxState.finalize without low), ``delta`` [B, Hq, T] = rowsum(dO * O) - dlse - w * lse (0 on rows
   without a visible key), ``temp`` [B, T, Hq] float32 or None. ``kernels``
   runs only some of the two (the others' outputs are None), so that
   benchmarks.breakdown times each on its own. ``fused``: one kernel,
   dkv.dkv_dq_kernel, in their place (backward_parts.fused_unsupported says
-  where it runs; its dq is not bitwise reproducible)."""
+  where it runs); its dq is bitwise reproducible where ``ordered``."""
+  if ordered and not fused:
+    raise ValueError("mosaic.backward(ordered=True) orders the fused kernel's adds: it needs "
+                     "fused=True")
   if fused and (why := fused_unsupported(spec, q.dtype, tiles)):
     raise ValueError(f"mosaic.backward(fused=True): {why}")
   if fused and set(kernels) != {"dq", "dkv"}:
@@ -126,7 +129,8 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, de
       # seq_len (visible_mask's padded flag hides the padding).
       dataclasses.replace(spec, seq_len=seq_pad, kv_seq_len=seq_pad), seq_pad != t, has_temp, fast_cap)
   if fused:
-    call = common.batch_folded(functools.partial(_fused, spec, fast_cap, params(dkv_shape)))
+    call = common.batch_folded(
+        functools.partial(_fused, spec, fast_cap, params(dkv_shape), ordered))
     with fast_math.native("mosaic"):
       dq, dk, dv = call(q, k, v, dout, rows, seg, spans_dkv)
     return dq[:, :t, :, :d].astype(dtype), dk[:, :t, :, :d], dv[:, :t, :, :d]
@@ -159,17 +163,22 @@ def backward(spec: StaticSpec, tiles: MosaicTiles, q, k, v, seg, temp, shift, de
   return dq, dk, dv
 
 
-def _fused(spec: StaticSpec, fast_cap: bool, params: BackwardParams, q, k, *operands):
+def _fused(spec: StaticSpec, fast_cap: bool, params: BackwardParams, ordered: bool, q, k,
+           *operands):
   """(dq, dk, dv) of the padded inputs by the fused kernel (dkv.dkv_dq_kernel):
   dkv_kernel's grid and outputs, and dq added up in a float32 array of q's
   shape. Shapes come from the operands: under jax.vmap (common.batch_folded)
-  the batch holds the mapped axis too."""
+  the batch holds the mapped axis too. ``ordered``: the key tiles outermost in
+  the grid, so that the programs running at once hold a few key tiles of many
+  heads, not the whole chain of one head's turns."""
   b, seq_pad, hq, head_dim = q.shape
+  sizes = dict(heads=k.shape[2], kv_tiles=seq_pad // (2 * params.shape.block_kv), batch=b)
+  names = ("kv_tiles", "heads", "batch") if ordered else ("heads", "kv_tiles", "batch")
   call = common.accumulating_call(
-      functools.partial(dkv_dq_kernel, params), spec=spec, fast_cap=fast_cap,
+      functools.partial(dkv_dq_kernel, params, ordered=ordered), spec=spec, fast_cap=fast_cap,
       accumulator=jax.ShapeDtypeStruct((b, seq_pad, hq, head_dim), jnp.float32),
       out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
       scratch_types=fused_scratch(params.shape),
-      grid=(k.shape[2], seq_pad // (2 * params.shape.block_kv), b),
-      grid_names=("heads", "kv_tiles", "batch"), kernel_name="ua_backward_fused_mosaic")
+      grid=tuple(sizes[name] for name in names), grid_names=names,
+      kernel_name="ua_backward_fused_ordered_mosaic" if ordered else "ua_backward_fused_mosaic")
   return call(q, k, *operands)

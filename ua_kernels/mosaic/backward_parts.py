@@ -170,7 +170,8 @@ def fused_scratch(shape: TileShape) -> list:
 
 
 def fused_unsupported(spec: StaticSpec, dtype, tiles: MosaicTiles) -> str | None:
-  """Why the fused backward (deterministic=False) cannot run this call, where
+  """Why the fused backward (deterministic=False, or MosaicTiles.ordered_fused)
+  cannot run this call, where
   the Mosaic backward can (None: it can). ``tiles`` filled. float16 would
   scale each query's ds into its range (matmul_operand) for dq, dk's scale
   being per key: a max down the columns of the keys-by-queries tile, across

@@ -41,7 +41,10 @@ class MosaicTiles:
   (FlashAttention-3's intra-warpgroup overlap), in place of the schedule
   barrier that alternates the two compute warpgroups (with both it was
   slower: docs/HISTORY.md, "The overlapped forward"); the same bits as
-  without. Above head
+  without. ``ordered_fused``: the deterministic backward (``deterministic=True``)
+  runs as the fused kernel, each dq tile's shares added in the order of their
+  key tiles (a counter per tile, FlashAttention-3's deterministic mode), where
+  the fused kernel runs; else as the separate dq and dk/dv kernels. Above head
   dim 128 the dq kernel streams at most 64 keys, and backward tiles whose
   shared memory does not fit run the backward on Triton
   (backward.halves_shared_memory)."""
@@ -56,9 +59,10 @@ class MosaicTiles:
   stages_bwd: int | None = None
   persistent: bool | None = None
   overlap_softmax: bool | None = None
+  ordered_fused: bool | None = None
 
   def __post_init__(self):
-    for name in ("persistent", "overlap_softmax"):
+    for name in ("persistent", "overlap_softmax", "ordered_fused"):
       value = getattr(self, name)
       if value is not None and not isinstance(value, bool):
         raise ValueError(f"MosaicTiles.{name} must be a bool or None (tuned), got {value!r}")

@@ -102,19 +102,23 @@ def _group_steps(p: BackwardParams, step):
 class _DqShare(NamedTuple):
   """The fused kernel's dq: the float32 accumulator [B, T, Hq, D] in global
   memory, and one compute warpgroup's ds tile ([block_kv, block_q], 16-bit)
-  and dq share ([block_q, D], float32) in shared memory."""
+  and dq share ([block_q, D], float32) in shared memory. ``order``: None (the
+  adds in the order they arrive), or (counters [B, Hq, query tiles] in global
+  memory, zeroed, and this warpgroup's rank among its kv head's compute
+  warpgroups): each warpgroup takes its turn at every counter, adding its share
+  or not, so that a tile's shares are added in the ranks' order."""
   dq_ref: Any
   kv_head: Any
   ds_smem: Any
   out_smem: Any
+  order: Any = None
 
   def send(self, p: BackwardParams, ds16, k_own, bi, q_start, g):
     """dq[the step's queries, head g of the group] += ds K, ``ds16`` the
     operand of dk's product (bfloat16: not range-scaled, so the same operand
     serves both). It goes through shared memory, where wgmma reads it
     transposed (its rows, the keys, are the product's inner dimension); the
-    share is added into global memory by a TMA reduce-add, in whatever order
-    other programs' copies arrive."""
+    share is added into global memory by a TMA reduce-add."""
     plgpu = common.plgpu()
     bq = p.shape.block_q
     self.ds_smem[...] = ds16
@@ -125,11 +129,37 @@ class _DqShare(NamedTuple):
       return acc[...]
 
     share = pl.run_scoped(product, plgpu.ACC((bq, p.shape.head_dim), jnp.float32))
-    dq_rows = self.dq_ref.at[bi, pl.ds(q_start, bq), self.kv_head * p.group + g]
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left out_smem
+    head = self.kv_head * p.group + g
+    dq_rows = self.dq_ref.at[bi, pl.ds(q_start, bq), head]
+    if self.order is None:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left out_smem
     self.out_smem[...] = share
     plgpu.commit_smem()
+    if self.order is None:
+      plgpu.copy_smem_to_gmem(self.out_smem, dq_rows, reduction_op="add")
+      return
+    counter = self._await_turn(bi, head, lax.div(q_start, jnp.int32(bq)))
     plgpu.copy_smem_to_gmem(self.out_smem, dq_rows, reduction_op="add")
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # added, not only read
+    pl.semaphore_signal(counter, 1)
+
+  def pass_turn(self, p: BackwardParams, bi, n):
+    """Step n (query tile n // group, head n % group), which adds nothing
+    here: its turn taken and passed on, where ordered."""
+    if self.order is not None:
+      head = self.kv_head * p.group + lax.rem(n, jnp.int32(p.group))
+      pl.semaphore_signal(self._await_turn(bi, head, lax.div(n, jnp.int32(p.group))), 1)
+
+  def pass_turns(self, p: BackwardParams, bi, start, stop):
+    """pass_turn of steps [start, stop)."""
+    if self.order is not None:
+      lax.fori_loop(start, stop, lambda n, carry: self.pass_turn(p, bi, n), None)
+
+  def _await_turn(self, bi, head, q_tile):
+    counters, rank = self.order
+    counter = counters.at[bi, head, q_tile]
+    pl.semaphore_wait(counter, rank, decrement=False)  # every lower rank has passed
+    return counter
 
 
 def dkv_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref,
@@ -142,21 +172,27 @@ def dkv_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref
 
 
 def dkv_dq_kernel(p: BackwardParams, q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref,
-                  spans_ref, dq_ref, dk_ref, dv_ref, *scratch):
+                  spans_ref, dq_ref, dk_ref, dv_ref, *scratch, ordered: bool = False):
   """The fused backward: dkv_kernel's program, whose steps also add their ds K
   into ``dq_ref``, a zeroed float32 [B, T, Hq, D] (_DqShare): five tile
   products a step where the dq and dk/dv kernels take seven, dq's sums in the
-  order the hardware takes (fused_scratch has the two extra buffers)."""
+  order the hardware takes, or ``ordered``, in the order of the key tiles
+  (fused_scratch has the two extra buffers)."""
   if range_scaled(p.shape.dtype):  # dk's ds operand is scaled per key: not dq's
     raise ValueError("the fused backward takes bfloat16 (backward_parts.fused_unsupported)")
   *scratch, ds_smem2, out_smem2 = scratch
+  counters = None
+  if ordered:  # one per dq tile, zeroed at each launch; every program's the same
+    b, seq_pad, hq, _ = dq_ref.shape
+    counters = pl.get_global(common.plgpu().SemaphoreType.REGULAR(
+        (b, hq, seq_pad // p.shape.block_q)))
   _dkv_program(p, (q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref), dk_ref, dv_ref,
-               scratch, (dq_ref, ds_smem2, out_smem2))
+               scratch, (dq_ref, ds_smem2, out_smem2, counters))
 
 
 def _dkv_program(p: BackwardParams, refs, dk_ref, dv_ref, scratch, dq):
   """dkv_kernel's program; ``dq``: None, or the fused kernel's (accumulator,
-  ds buffers, share buffers)."""
+  ds buffers, share buffers, counters or None)."""
   q_ref, k_ref, v_ref, do_ref, rows_ref, seg_ref, spans_ref = refs
   (k_smem2, v_smem2, q_smem, do_smem, rows_smem,
    k_loaded, v_loaded, q_loaded, do_loaded, rows_loaded, q_free) = scratch
@@ -184,15 +220,22 @@ def _dkv_program(p: BackwardParams, refs, dk_ref, dv_ref, scratch, dq):
     plgpu.barrier_wait(k_loaded.at[wg])
     plgpu.barrier_wait(v_loaded.at[wg])
 
+    share = None
+    if dq is not None:
+      # Rank 2 * tile + wg: programs start in the order of their key tiles, so
+      # no turn waits on a program that has not started.
+      order = None if dq[3] is None else (dq[3], 2 * tile + wg)
+      share = _DqShare(dq[0], kv_head, dq[1].at[wg], dq[2].at[wg], order)
+
     def drain(n, carry):
       s = ring_slot(n, first, p.shape.stages)
       plgpu.barrier_wait(q_loaded.at[s])
       plgpu.barrier_wait(do_loaded.at[s])
       plgpu.barrier_wait(rows_loaded.at[s])
       plgpu.barrier_arrive(q_free.at[s])
+      if share is not None:
+        share.pass_turn(p, bi, n)
       return carry
-
-    share = None if dq is None else _DqShare(dq[0], kv_head, *(ref.at[wg] for ref in dq[1:]))
 
     def step(qb, g, carry, masked):
       return _dkv_step(p, ring, k_smem, v_smem, None, seg_ref, bi, k_start, qb, g, carry,
@@ -203,9 +246,13 @@ def _dkv_program(p: BackwardParams, refs, dk_ref, dv_ref, scratch, dq):
     tiles = own_tiles(q_tiles(
         p.spec_padded, k_start, bq, bkv, p.padded,
         own_span, own_uniform), cta_lo, cta_hi)
+    if share is not None:  # the steps of query tiles outside the program's range
+      share.pass_turns(p, bi, 0, first)
     carry = lax.fori_loop(first, tiles.lo * group, drain, zeros)
     carry = tile_loop(tiles, _group_steps(p, step), carry)
     dk, dv = lax.fori_loop(tiles.hi * group, last, drain, carry)
+    if share is not None:
+      share.pass_turns(p, bi, last, p.spec_padded.seq_len // bq * group)
     # K's and V's buffers hold dk, dv on their way out.
     k_smem[...] = _gradient(dk).astype(p.shape.dtype)
     v_smem[...] = dv.astype(p.shape.dtype)

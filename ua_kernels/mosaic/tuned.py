@@ -27,11 +27,13 @@ def mosaic_tiles(spec: StaticSpec, dtype) -> MosaicTiles:
   documents: the persistent forward").
   Above head dim 64 the forward overlaps each tile's softmax with the
   previous tile's P @ V, which gained at head dims 128 and 256 and lost at 64
-  (docs/HISTORY.md, "The overlapped forward")."""
+  (docs/HISTORY.md, "The overlapped forward"). The deterministic backward
+  stays the separate dq and dk/dv kernels until the ordered fused one has been
+  timed against them (`bench --impls 'ua_kernels,ua_kernels[ordered]'`)."""
   del dtype  # measured in bfloat16; float16 has the same bytes
   banded = spec.causal or bool(spec.window_len)
   return MosaicTiles(block_q=64, block_kv=128 if spec.head_dim <= 128 else 64, stages=2,
                      block_q_dq=64, block_kv_dq=128, block_q_dkv=64, block_kv_dkv=64,
                      stages_bwd=2,
                      persistent=not banded and spec.seq_len <= PERSISTENT_MAX_SEQ_LEN,
-                     overlap_softmax=spec.head_dim > 64)
+                     overlap_softmax=spec.head_dim > 64, ordered_fused=False)
