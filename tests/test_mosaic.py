@@ -106,9 +106,10 @@ def test_backward_lowers_for_cuda(shape_class):
     assert f"{kernel}{halves}_mosaic" in text
 
 
-# The fused backward (deterministic=False, or ordered; bfloat16, head dims to 128): GQA under a causal mask,
-# packed documents with temperature and a window on a padded length, a cap whose ds is rounded
-# without bias (tests/test_mosaic_interpret.py runs the same classes).
+# The fused backward (deterministic=False, or ordered; bfloat16, head dims to 128): GQA under a
+# causal mask, packed documents with temperature and a window on a padded length, a cap whose ds
+# is rounded without bias (tests/test_mosaic_interpret.py runs the same classes, the first two
+# ordered).
 FUSED_CLASSES = [SHAPE_CLASSES[i] for i in (1, 5, 6)]
 # The deterministic backward as the fused kernel, its adds in key-tile order.
 ORDERED = KernelConfig(backend="mosaic", mosaic=MosaicTiles(ordered_fused=True))
