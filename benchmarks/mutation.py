@@ -239,6 +239,11 @@ MUTANTS = [
            "the fused backward's dq share written over the last one before its TMA add has "
            "read it: a key tile's share lost or mixed only where the copy engine lags the "
            "compute (a race)", rotates=False),
+    Mutant("R2", "ua_kernels/mosaic/dkv.py",
+           "    plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # added, not only read\n", "",
+           "the ordered fused backward's turn passed on before its add has landed: the next "
+           "rank's add may land first, so a dq tile's sum changes order (and bits) from run "
+           "to run only where the copy engine lags (a race)", rotates=False),
     Mutant("P2", CAP_FORMS, '"tanh": tanh_cap(jnp.tanh)',
            '"tanh": tanh_cap(lambda x: (jnp.exp(2 * x) - 1) / (jnp.exp(2 * x) + 1))',
            "the exact tanh cap as a ratio of exponentials: inf / inf = NaN once |x / cap| "

@@ -138,6 +138,16 @@ def test_the_fused_backward_lowers_for_cuda(shape_class, ordered):
   results = sorted(int(n) for n in re.findall(r"%\d+:(\d+) = stablehlo.custom_call @mosaic_gpu",
                                               text))
   assert results == [2, 4 if ordered else 3], results
+  if ordered:  # the counters come in zeroed at every call: one per (batch, head, query tile)
+    call = re.search(r"%\d+:4 = stablehlo.custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
+    counters = call.group(1).split(",")[-1].strip()
+    zeros = re.search(re.escape(counters) + r" = stablehlo.broadcast_in_dim (%\w+), .*"
+                      r"tensor<(\d+)xi32>", text)
+    assert re.search(re.escape(zeros.group(1)) + r" = stablehlo.constant dense<0> : tensor<i32>",
+                     text), counters
+    b, t, hq = shape_class[0], shape_class[1], shape_class[2]
+    seq_pad = -(-t // 128) * 128  # the tuned tiles': programs of 2 x 64 rows, 128-key dq tiles
+    assert int(zeros.group(2)) == b * hq * seq_pad // 64, zeros.group(0)
 
 
 def test_the_fused_backward_runs_where_it_can():

@@ -9,7 +9,8 @@ supplies for these tests only, computing the same products in registers:
 ``pl.run_state`` over an initialised wgmma accumulator, a wgmma operand in
 registers (p and ds), and a store into an accumulator (the overlapped
 forward's). The fused backward's TMA reduce-add, which it lacks too, the
-``tma_reduce_add`` fixture supplies. CI's jax 0.10 has no such interpreter and
+``tma_reduce_add`` fixture supplies, and the ordered one's semaphores the
+``turn_counters`` fixture. CI's jax 0.10 has no such interpreter and
 skips them.
 """
 
@@ -402,23 +403,28 @@ def turn_counters(monkeypatch):
   (the interpreter runs a program's warpgroups as threads and its programs one
   after another, in the grid's order). Yields (counts, faults): the turns
   taken per (batch, head, query tile), and what went wrong: a signal from a
-  rank whose turn it was not, or a turn that did not come within 20 s (a
-  deadlock on the GPU; the waits go on without blocking after it). Faults are
+  rank whose turn it was not, a counter outside the shape allocated, or a turn
+  that did not come within 20 s (a deadlock on the GPU; the waits go on
+  without blocking after it). Faults are
   recorded, not raised: an exception in a warpgroup's thread would leave the
   others waiting on its barriers."""
   from jax.experimental import io_callback
-  counts, faults, changed = {}, [], threading.Condition()
+  counts, faults, shapes, changed = {}, [], [], threading.Condition()
 
   class View:
     def __init__(self, index):
       self.index, self.rank = index, None
 
   class Counters:
-    at = type("At", (), {"__getitem__": lambda self, index: View(index)})()
+    def __init__(self, shape):
+      self.at = type("At", (), {"__getitem__": lambda _, index: View(index)})()
+      shapes.append(shape)
 
   def wait(value, *index):
     key = tuple(int(i) for i in index)
     with changed:
+      if not all(0 <= i < n for i, n in zip(key, shapes[-1])):
+        faults.append(f"counter {key} outside the {shapes[-1]} allocated")
       if faults or changed.wait_for(lambda: counts.get(key, 0) >= int(value), timeout=20):
         return
       faults.append(f"turn {int(value)} of counter {key} never came "
@@ -441,7 +447,7 @@ def turn_counters(monkeypatch):
     assert inc == 1 and view.rank is not None, "a signal before its turn's wait"
     io_callback(signal, None, view.rank, *view.index)
 
-  monkeypatch.setattr(pl, "get_global", lambda what: Counters())
+  monkeypatch.setattr(pl, "get_global", lambda what: Counters(tuple(what.shape)))
   monkeypatch.setattr(pl, "semaphore_wait", semaphore_wait)
   monkeypatch.setattr(pl, "semaphore_signal", semaphore_signal)
   yield counts, faults
@@ -455,9 +461,17 @@ def test_the_fused_backward_matches_triton_in_the_interpreters(shape_class, inte
   _compare(shape_class, MosaicTiles(), fused=True)
 
 
-@pytest.mark.parametrize("shape_class", FUSED_CLASSES[:2], ids=lambda c: f"T{c[1]}-D{c[4]}")
-def test_the_ordered_fused_backward_takes_every_turn_in_order(shape_class, interpreter_gaps,
-                                                              tma_reduce_add, turn_counters):
+# And GQA under a causal mask at T = 100 with dq tiles of 2 x 128 rows: the length pads to
+# 256, and the last key program holds only padding (its range empty: every turn passed).
+ORDERED_CASES = [(c, MosaicTiles()) for c in FUSED_CLASSES[:2]] + [
+    ((1, 100, 4, 2, 64, jnp.bfloat16, dict(causal=True)), MosaicTiles(block_q_dq=128))]
+
+
+@pytest.mark.parametrize("shape_class, tiles", ORDERED_CASES,
+                         ids=lambda c: f"T{c[1]}-D{c[4]}" if isinstance(c, tuple) else "")
+def test_the_ordered_fused_backward_takes_every_turn_in_order(shape_class, tiles,
+                                                              interpreter_gaps, tma_reduce_add,
+                                                              turn_counters):
   """MosaicTiles.ordered_fused: its gradients as Triton's, each counter's
   turns taken by ranks 0, 1, 2, ... in that order (turn_counters), and every
   one of the kernel's 2 x (key tiles) compute warpgroups of a head taking
@@ -466,10 +480,10 @@ def test_the_ordered_fused_backward_takes_every_turn_in_order(shape_class, inter
   the tiles a warpgroup drains)."""
   (q, k, v), inputs, options = _gpu_inputs(shape_class)
   counts, faults = turn_counters
-  _compare(shape_class, MosaicTiles(), fused=True, ordered=True)
+  _compare(shape_class, tiles, fused=True, ordered=True)
   assert not faults, faults[:5]
   tiles = effective_config(validate(q, k, v, **options, **inputs)[0], q.dtype,
-                           KernelConfig()).mosaic
+                           KernelConfig(mosaic=tiles)).mosaic
   b, t, hq, _ = q.shape
   seq_pad = mosaic_common.padded_length(t, 2 * tiles.block_q_dq, tiles.block_kv_dq,
                                         tiles.block_q_dkv, 2 * tiles.block_kv_dkv)

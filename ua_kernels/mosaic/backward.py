@@ -46,10 +46,14 @@ dkv.dkv_dq_kernel) is dkv_kernel's program whose steps also compute dq's
 share, ds K, from the ds tile they already hold (through shared memory, read
 transposed by wgmma) and add it into a zeroed float32 dq in global memory by a
 TMA reduce-add: five tile products a step, not the two kernels' seven, and dq's
-sums in the order the copies arrive. Each share is block_q x D float32, so the
-adds move 4 D T^2 / block_kv bytes per head (32 GiB at T = 16k, 16 heads,
-D = 128 and 64-key tiles, half that causal), against the L2. bfloat16 only: float16's per-query
-range scaling would need a max across warps (backward_parts.fused_unsupported).
+sums in the order the copies arrive; or, ``ordered`` (MosaicTiles.ordered_fused,
+deterministic), in the order of the key tiles: a counter per dq tile in global
+memory, zeroed at each call, each compute warpgroup waiting for its turn,
+adding, waiting for its add to land, and passing the turn on. Each share is
+block_q x D float32, so the adds move 4 D T^2 / block_kv bytes per head
+(32 GiB at T = 16k, 16 heads, D = 128 and 64-key tiles, half that causal),
+against the L2. bfloat16 only: float16's per-query range scaling would need a
+max across warps (backward_parts.fused_unsupported).
 
 Head dims above 128 (up to 256, padded to 256): one warpgroup's dk and dv of
 64 keys (or dq of 64 rows) would need 256 registers per thread, so
