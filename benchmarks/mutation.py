@@ -233,14 +233,15 @@ MUTANTS = [
     # --- the fused backward's dq (ua_kernels.backends:fused_attention on Hopper; docs/MUTATION.md,
     # "A race") ------------------------------------------------------------------------------
     Mutant("R1", "ua_kernels/mosaic/dkv.py",
-           "    if self.order is None:\n"
-           "      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left "
-           "out_smem\n", "",
+           "    if self.order is None:  # ordered, the last add has landed before its turn "
+           "passed\n      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share "
+           "has left out_smem\n", "",
            "the fused backward's dq share written over the last one before its TMA add has "
            "read it: a key tile's share lost or mixed only where the copy engine lags the "
            "compute (a race)", rotates=False),
     Mutant("R2", "ua_kernels/mosaic/dkv.py",
-           "    plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # added, not only read\n", "",
+           "      plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # added, not only read\n",
+           "",
            "the ordered fused backward's turn passed on before its add has landed: the next "
            "rank's add may land first, so a dq tile's sum changes order (and bits) from run "
            "to run only where the copy engine lags (a race)", rotates=False),

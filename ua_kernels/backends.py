@@ -21,15 +21,18 @@ from .mosaic import common as mosaic_common
 from .mosaic import forward as mosaic_forward
 
 
-def _forced(backend: str, q, k, v, config, kwargs):
-  """``config`` (None: every field unset) with its backend replaced;
-  ua_kernels.attention fills its unset fields from the tuned table
-  (tuned_configs.effective_config), as for any config."""
+def _forced(backend: str, q, k, v, config, kwargs, **mosaic):
+  """``config`` (None: every field unset) with its backend replaced, and the
+  MosaicTiles fields ``mosaic`` names; ua_kernels.attention fills its unset
+  fields from the tuned table (tuned_configs.effective_config), as for any
+  config."""
   if config is None:
     config = KernelConfig()
   elif not isinstance(config, KernelConfig):
     raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
-  return attention(q, k, v, config=dataclasses.replace(config, backend=backend), **kwargs)
+  config = dataclasses.replace(config, backend=backend,
+                               mosaic=dataclasses.replace(config.mosaic, **mosaic))
+  return attention(q, k, v, config=config, **kwargs)
 
 
 def mosaic_attention(q, k, v, *, sinks=None, config: KernelConfig | None = None, **kwargs):
@@ -50,12 +53,8 @@ def ordered_attention(q, k, v, *, sinks=None, config: KernelConfig | None = None
   """mosaic_attention with the deterministic backward as the fused kernel
   (MosaicTiles.ordered_fused): each dq tile's shares added in the order of
   their key tiles (bfloat16, head dims up to 128)."""
-  config = KernelConfig() if config is None else config
-  if not isinstance(config, KernelConfig):
-    raise TypeError(f"config must be a KernelConfig or None, got {type(config).__name__}")
-  config = dataclasses.replace(config, mosaic=dataclasses.replace(config.mosaic,
-                                                                  ordered_fused=True))
-  return _forced("mosaic", q, k, v, config, dict(kwargs, sinks=sinks, deterministic=True))
+  return _forced("mosaic", q, k, v, config, dict(kwargs, sinks=sinks, deterministic=True),
+                 ordered_fused=True)
 
 
 def triton_attention(q, k, v, *, config: KernelConfig | None = None, **kwargs):

@@ -87,7 +87,7 @@ def _dkv_step(p: BackwardParams, ring: _QueryRing, k_own, v_own, part, seg_ref, 
   dk = _accumulate(dk, ds16, _ring_columns(ring.q_smem, s, part, shape.half), exponent)
   plgpu.barrier_arrive(ring.q_free.at[s])  # the step's Q and dO are read; ds K needs neither
   if share is not None:
-    share.send(p, ds16, k_own, bi, q_start, g)
+    share.send(p, ds16, k_own, bi, qb, g)
   return dk, dv
 
 
@@ -113,8 +113,8 @@ class _DqShare(NamedTuple):
   out_smem: Any
   order: Any = None
 
-  def send(self, p: BackwardParams, ds16, k_own, bi, q_start, g):
-    """dq[the step's queries, head g of the group] += ds K, ``ds16`` the
+  def send(self, p: BackwardParams, ds16, k_own, bi, qb, g):
+    """dq[query tile ``qb``, head g of the group] += ds K, ``ds16`` the
     operand of dk's product (bfloat16: not range-scaled, so the same operand
     serves both). It goes through shared memory, where wgmma reads it
     transposed (its rows, the keys, are the product's inner dimension); the
@@ -130,18 +130,16 @@ class _DqShare(NamedTuple):
 
     share = pl.run_scoped(product, plgpu.ACC((bq, p.shape.head_dim), jnp.float32))
     head = self.kv_head * p.group + g
-    dq_rows = self.dq_ref.at[bi, pl.ds(q_start, bq), head]
-    if self.order is None:
+    if self.order is None:  # ordered, the last add has landed before its turn passed
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last share has left out_smem
     self.out_smem[...] = share
     plgpu.commit_smem()
-    if self.order is None:
-      plgpu.copy_smem_to_gmem(self.out_smem, dq_rows, reduction_op="add")
-      return
-    counter = self._await_turn(bi, head, lax.div(q_start, jnp.int32(bq)))
-    plgpu.copy_smem_to_gmem(self.out_smem, dq_rows, reduction_op="add")
-    plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # added, not only read
-    pl.semaphore_signal(counter, 1)
+    counter = None if self.order is None else self._await_turn(bi, head, qb)
+    plgpu.copy_smem_to_gmem(self.out_smem, self.dq_ref.at[bi, pl.ds(qb * bq, bq), head],
+                            reduction_op="add")
+    if counter is not None:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)  # added, not only read
+      pl.semaphore_signal(counter, 1)
 
   def pass_turn(self, p: BackwardParams, bi, n):
     """Step n (query tile n // group, head n % group), which adds nothing
