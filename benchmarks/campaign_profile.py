@@ -24,12 +24,12 @@ import json
 import time
 
 import jax
-import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 
 from properties.checks import checks
 
 from properties.judge import runner
+from properties.judge.error_terms import harness_compiler_options
 from properties.model.capabilities import load_impl
 from properties.model.inputs import make_inputs
 from properties.model.profiles import BUCKETS, PROFILES
@@ -79,7 +79,7 @@ def profile_configuration(impl, case, seeds: int) -> dict:
     with runner.x64(True):
       ref_args = runner._reference_args(case, inputs, float64)
       row[name] = _aot_steps(runner._vjp_fn(runner.REFERENCE, with_lse), ref_args,
-                             runner.HARNESS_COMPILER_OPTIONS)
+                             harness_compiler_options(float64))
   # The whole check on this seed, everything compiled (runner's executables warm up
   # on the first call, so it runs twice and the second is kept; each builds its harness).
   checks.matches_oracle(impl, case)

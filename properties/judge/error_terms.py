@@ -76,14 +76,14 @@ class Rounding:
 HARNESS_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 
 
-def oracle_compiler_options() -> dict:
-  """The float64 oracle's compile options. Where the CPU is the backend, a case's
-  oracle costs its compile, not its run: LLVM at level 0 compiles it in about 0.6x
-  the time, runs it in up to 1.7x, and moves its values by 1-2 float64 ulps
-  (README.md, "Tests"). The same-precision reference keeps the default: its
-  rounding sizes the tolerances. On an accelerator (a TPU's oracle runs long rows
-  on its host) the default stays."""
-  if jax.default_backend() == "cpu":
+def harness_compiler_options(float64: bool) -> dict:
+  """The compile options of the oracle (``float64``) or of the same-precision
+  reference. Where the CPU is the backend, a case's oracle costs its compile, not its
+  run: LLVM at level 0 compiles it in half the time, runs it in up to 1.7x, and
+  moves its values by 1-2 float64 ulps (README.md, "Tests"). The reference keeps
+  the default (its rounding sizes the tolerances), as does an accelerator (a
+  TPU's oracle runs long rows on its host)."""
+  if float64 and jax.default_backend() == "cpu":
     return {**HARNESS_COMPILER_OPTIONS, "xla_backend_optimization_level": 0}
   return HARNESS_COMPILER_OPTIONS
 

@@ -31,7 +31,7 @@ from ..model.capabilities import Implementation, declare
 from ..model.case import Case
 from ..model.inputs import make_inputs, sample_blocks, sampled_rows
 from . import sampled
-from .error_terms import HARNESS_COMPILER_OPTIONS, host_device, oracle_compiler_options
+from .error_terms import harness_compiler_options, host_device
 from .tolerance import OUTPUTS, OutputError, compare, element_tolerance, floors
 
 REFERENCE = declare("ua_reference:attention", ua_reference.attention)
@@ -254,9 +254,8 @@ def _reference_executable(case: Case, args, float64: bool, traced_offset: bool =
   keyed = dataclasses.replace(with_lse, q_offset=0) if traced_offset else with_lse
   key = ("reference", keyed.static_key(), float64, traced_offset,
          tuple(None if a is None else np.shape(a) for a in args))
-  options = oracle_compiler_options() if float64 else HARNESS_COMPILER_OPTIONS
-  return _executable(key, lambda: _vjp_fn(REFERENCE, with_lse), args, options,
-                     "oracle_vjp" if float64 else "reference_vjp")
+  return _executable(key, lambda: _vjp_fn(REFERENCE, with_lse), args,
+                     harness_compiler_options(float64), "oracle_vjp" if float64 else "reference_vjp")
 
 
 def _reference_call(case: Case, inputs: dict, float64: bool, traced_offset: bool = False):
