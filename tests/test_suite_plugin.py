@@ -22,8 +22,9 @@ from properties.run.verifier import HarnessFailure, Verifier
 TESTS = Path(__file__).parent
 
 
-def run_suite(tmp_path, impl, *args, timeout=900):
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+def run_suite(tmp_path, impl, *args, timeout=900, env=None):
+  """The installed suite on ``impl`` in a subprocess; ``env`` overrides variables."""
+  env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(
       [str(TESTS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
   report = tmp_path / "report.json"
   cmd = [sys.executable, "-m", "pytest", "--pyargs", "properties.suite", "-q",
