@@ -160,7 +160,7 @@ def test_the_decode_forward_is_as_close_to_the_reference_as_the_plain_one(case, 
       weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
       return jnp.sum(out.astype(jnp.float32) * weights) + 0.3 * jnp.sum(
           jnp.where(jnp.isfinite(lse), lse, 0.0))
-    return jax.grad(loss, argnums=(0, 1, 2))(*qkv)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*qkv)  # one compilation, not one per op
 
   through = lambda config: grads(
       lambda *a, **kw: ua_kernels.attention(*a, config=config, **kw), q, k, v)
