@@ -100,7 +100,7 @@ def test_splash_attention_runs_under_the_suite_in_interpret_mode(tmp_path):
   segment ids and GQA included; its oracle failures are classified in
   docs/PEERS.md ("Splash attention on this CPU")."""
   # XLA's default optimization: splash's interpret-mode kernels spend their time running,
-  # not compiling (README.md, "Tests": 115 s, and 423 s at the level 0 CI compiles at).
+  # not compiling, and lose most at the level 0 CI compiles at (README.md, "Tests").
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_backend_optimization_level")]
   proc, report = run_suite(tmp_path, "properties.peers.impls:splash_attention", "-n", "2", "-k",
