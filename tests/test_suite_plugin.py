@@ -24,8 +24,8 @@ TESTS = Path(__file__).parent
 
 def run_suite(tmp_path, impl, *args, timeout=900, env=None):
   """The installed suite on ``impl`` in a subprocess; ``env`` overrides variables."""
-  env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(
-      [str(TESTS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
+      [str(TESTS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
   report = tmp_path / "report.json"
   cmd = [sys.executable, "-m", "pytest", "--pyargs", "properties.suite", "-q",
          "-p", "no:cacheprovider", f"--impl={impl}", f"--ua-report={report}",
