@@ -25,7 +25,7 @@ CASES = [
     dict(b=1, t=777, hq=2, hkv=2, d=96, dtype=jnp.float16, kw=dict(causal=True)),
     dict(b=1, t=512, hq=4, hkv=2, d=64, dtype=jnp.float32,
          kw=dict(causal=True, seg=True, temp=True, cap_method="asym_tanh", cap_params=(2.0, 1.0))),
-    # Last: float32 D=256 compiles slowly (over 100 s on the H200).
+    # Last: float32 D=256 is the slowest to compile.
     dict(b=1, t=129, hq=2, hkv=2, d=256, dtype=jnp.float32, kw=dict(cap_method="hard", cap_params=(1.0,))),
 ]
 

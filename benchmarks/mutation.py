@@ -264,10 +264,9 @@ def _prop(test_id: str) -> str:
   return f"tests/test_properties.py::test_property[{test_id}]"
 
 
-# The test that kills each mutant first (docs/MUTATION.md, `ua-mutate --rotate 48`
-# of 2026-12-03), run before the rest of the black-box suite: a mutant killed by the corpus's last
-# case, or by a property after the corpus, otherwise waits minutes for it (M27:
-# 301 s in CI's rotation). A hint that no longer kills its mutant costs one
+# The test that kills each mutant first (docs/MUTATION.md), run before the rest of the
+# black-box suite: a mutant killed by the corpus's last case, or by a property after the
+# corpus, otherwise waits minutes for it. A hint that no longer kills its mutant costs one
 # test's time, not a verdict: the whole suite follows it.
 FIRST_TESTS = {
     "O1": _case("original-O1-mask-before-cap"),

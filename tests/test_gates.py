@@ -96,8 +96,8 @@ def test_a_run_fails_a_planted_bias_and_a_planted_precision_regression(tmp_path)
   verdict."""
   baseline = tmp_path / "baseline.json"
   # 6 configurations of 4 input seeds each: 24 cases at 6 compiles, not 24. With 3 seeds
-  # the draws of 942b9a2 left 12 pairs in out/bfloat16 (the rest in segment groups), whose
-  # one-sided p, 2^-12 times Holm's count of groups, stayed above REGRESSION_ALPHA.
+  # too few pairs fell in out/bfloat16 (the rest in segment groups) for their one-sided p,
+  # times Holm's count of groups, to go below REGRESSION_ALPHA.
   select = ("-k", "matches_oracle-bfloat16 and not long and not mask and not cap and not feature",
             "--ua-max-examples=6", "--ua-seeds=4")
   proc, report = run_suite(tmp_path, "ua_reference:attention", *select,

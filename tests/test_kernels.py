@@ -622,8 +622,8 @@ def test_one_hot_rows_have_no_logit_gradient_at_large_scales(dtype):
   """At sm_scale 1e6 every causal row of normal inputs is one-hot (its logits
   lie thousands of units apart), so dq and dk are 0 to within the rounding of
   the row's dp - delta, times sm_scale. Before the exp2 argument became
-  (s - max s) * scale the interpreted kernels gave float32 dq of 6 and dk of
-  5.8 there, and NaN at 1e9 (docs/DEFECTS.md, L1). The default tiles: the
+  (s - max s) * scale the interpreted kernels gave float32 dq and dk of
+  several units there, and NaN at 1e9 (docs/DEFECTS.md, L1). The default tiles: the
   forward's and the backward's differ in shape, as the CPU's dot rounding did."""
   rng = np.random.default_rng(0)
   q, k, v, do = (jnp.asarray(rng.normal(size=(1, 33, 2, 32)), dtype) for _ in range(4))
@@ -643,10 +643,10 @@ def _one_hot_bounds(dtype, sm_scale, q, k, v, do):
   1e9). float32: dp = dO.v_max from a dot and delta = dO.out from a row sum
   round apart, each within D u32 sum_d |dO v_max| (Higham 3.1): ds_i's error
   e_i, and dq_i = sm_scale e_i k_max, dk_j = sm_scale sum over the rows whose
-  key j is their max of e_i q_i. Compiled (the H200: dq 2.55, dk 3.89 at 1e6)
-  and in the interpreter alike: on some CPUs its two sums took one order and
-  agreed exactly, on an AMD EPYC they do not (dq 6.62, dk 5.77 at 1e6, 0.041
-  of the bound; docs/DEFECTS.md L1). L1 itself gave NaN at 1e9."""
+  key j is their max of e_i q_i. Compiled and in the interpreter alike: on
+  some CPUs the interpreter's two sums took one order and agreed exactly, on
+  others they do not (docs/DEFECTS.md, L1, has the values). L1 itself gave NaN
+  at 1e9."""
   if dtype != jnp.float32:
     return (1e-5 * sm_scale,) * 2
   f64 = lambda x: np.asarray(x, np.float64)

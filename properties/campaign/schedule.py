@@ -121,9 +121,8 @@ def _spread(groups: list[list]) -> list:
   k-th of n at about (k + 1/2) / n of the way), ties in the groups' order.
   pytest-xdist hands a time box's first round out in this order, two tests per
   worker and then one as workers finish, so the round's last tests start when
-  the box is nearly spent: in a 2.5-minute H200 campaign (cdb10b1) the
-  hidden-key property's three focused tests, last in the round, started at
-  137-144 s and ran one case each (docs/VERIFICATION.md)."""
+  the box is nearly spent: a short campaign gave the tests last in the round
+  one case each (docs/VERIFICATION.md)."""
   keyed = [((k + 0.5) / len(group), g, k, item)
            for g, group in enumerate(groups) for k, item in enumerate(group)]
   return [item for *_, item in sorted(keyed, key=lambda x: x[:3])]

@@ -90,8 +90,8 @@ def replay_command(path: str, impl_name: str, imports=()) -> str:
 
 
 # A case's time limit (docs/VERIFICATION.md, "Crashes, hangs, replay"): the profile's base
-# (Profile.case_timeout_base: 600 s on a CPU, five times the slowest case seen there, a
-# 110-s compile) plus a second per 1e8 multiply-adds of its attention, B * Hq * T^2 * D
+# (Profile.case_timeout_base, several times the slowest case seen on its machine) plus a
+# second per 1e8 multiply-adds of its attention, B * Hq * T^2 * D
 # (the float64 oracle's share at long T); under a time box, no more than the box's
 # remainder, BOX_GRACE_SECONDS and that size term.
 WORK_PER_SECOND = 1e8
