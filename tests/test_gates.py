@@ -120,7 +120,7 @@ def test_a_run_fails_a_planted_bias_and_a_planted_precision_regression(tmp_path)
   # The pooled verdict: toward zero, and significant. The run stops at its first failing
   # test, so fewer than POOLED_MIN_CASES cases pool and the case floor (0.35 ulp) would
   # judge them, while the offset distribution's near one-hot rows (outputs exactly a
-  # bfloat16 value) dilute the mean to about -0.15 ulp.
+  # bfloat16 value) dilute the mean to a fraction of an ulp.
   pooled = report["bias"]["out/bfloat16"]
   assert pooled["p_holm"] < bias.BIAS_ALPHA and pooled["mean_ulps"] < -0.1, report["bias"]
   assert not report["bias"]["dq/bfloat16"]["biased"], report["bias"]

@@ -61,12 +61,12 @@ def property_tests(profile, oracle_chunks: int | None = None) -> list["PropertyT
   worker runs out of tests before the deadline; with the first round in front
   and the first round's shares of the box (time_share), a short box still
   starts every property. Before, the profile's ten chunks of matches_oracle per
-  dtype came first, and on one H200 a two-minute box ended before six or seven
-  of the eleven properties had started (docs/VERIFICATION.md). The chunked
+  dtype came first, and on one H200 a short box ended before most properties
+  had started (docs/VERIFICATION.md). The chunked
   properties' further chunks come after the oracle's: their first round holds
   its share of the box (chunked_share), and between the oracle's chunks they
-  took 31% of a 5-minute H200 box, not the 24% of that share
-  (docs/VERIFICATION.md, "Comparisons on the device")."""
+  took more of an H200 box than that share (docs/VERIFICATION.md, "Comparisons
+  on the device")."""
   from ..model.capabilities import DTYPES
   from ..checks.registry import PROPERTIES
   chunks = max(profile.oracle_chunks, oracle_chunks or 0)

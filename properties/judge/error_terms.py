@@ -79,8 +79,8 @@ HARNESS_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_
 def harness_compiler_options(float64: bool) -> dict:
   """The compile options of the oracle (``float64``) or of the same-precision
   reference. Where the CPU is the backend, a case's oracle costs its compile, not its
-  run: LLVM at level 0 compiles it in half the time, runs it in up to 1.7x, and
-  moves its values by 1-2 float64 ulps (README.md, "Tests"). The reference keeps
+  run: LLVM at level 0 compiles it faster than it slows its run, and moves its
+  values by float64 ulps (README.md, "Tests"). The reference keeps
   the default (its rounding sizes the tolerances), as does an accelerator (a
   TPU's oracle runs long rows on its host)."""
   if float64 and jax.default_backend() == "cpu":

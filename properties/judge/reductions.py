@@ -2,8 +2,8 @@
 
 An oracle case at T = 16k has outputs of tens of millions of elements; scoring
 them in float64 numpy on the host (the comparison, the tolerance, the bias
-counts) took 12 of the 18 seconds of such a case on the H200, the
-implementation and the float64 oracle about one (docs/VERIFICATION.md,
+counts) took most of such a case's time on the H200, far more than the
+implementation and the float64 oracle (docs/VERIFICATION.md,
 "Comparisons on the device"). Those reductions are written once, as functions
 of an array module ``xp`` (as properties/judge/error_terms.py's terms are), and
 ``reduce`` runs them jitted in float64 on the device for a large output, in
